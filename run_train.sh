@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Launch titanlite training with torchrun.
+#
+#   ./run_train.sh [--config NAME|FILE] [--dry-run ...] [--section.key value ...]
+#
+# Environment:
+#   CONFIG_FILE   TOML file (default train_configs/debug_model.toml); --config NAME wins over it
+#   NGPU          processes on this node (default: visible GPUs, else 2 CPU processes)
+#   NNODES        nodes (default 1); NODE_RANK is not needed: torchrun's rendezvous assigns ranks
+#   RDZV_ENDPOINT host:port of the rendezvous (multi-node; default localhost:0 for one node)
+#   RDZV_ID       job id shared by all nodes (default titanlite)
+#   LOG_RANK      ranks whose output is shown (default 0; e.g. 0,1)
+#   MAX_RESTARTS  torchrun --max-restarts (default 0)
+set -euo pipefail
+cd "$(dirname "$0")"
+
+CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+args=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --config) CONFIG_FILE="$2"; shift 2 ;;
+        --config=*) CONFIG_FILE="${1#*=}"; shift ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
+
+if [[ -z "${NGPU:-}" ]]; then
+    NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    [[ "$NGPU" -gt 0 ]] || NGPU=2
+fi
+NNODES=${NNODES:-1}
+LOG_RANK=${LOG_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
+RDZV_ID=${RDZV_ID:-titanlite}
+
+# Check the configuration against the world size before starting any process.
+TITANLITE_QUIET_CHECK=1 python -m titanlite.config --world-size $((NGPU * NNODES)) \
+    --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"}
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec torchrun --nnodes="$NNODES" --nproc_per_node="$NGPU" \
+    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" \
+    --max-restarts="$MAX_RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
+    -m titanlite.train --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"}

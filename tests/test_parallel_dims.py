@@ -1,0 +1,51 @@
+"""Mesh: every valid (replicate, shard) for world 4 and rejection of the rest."""
+
+import pytest
+
+from titanlite.config import ConfigError, Parallelism
+from titanlite.parallel_dims import ParallelDims
+from dist_helpers import run_distributed
+
+
+@pytest.mark.parametrize("replicate, shard, expect", [
+    (1, -1, (1, 4)), (1, 4, (1, 4)), (2, -1, (2, 2)), (2, 2, (2, 2)), (4, -1, (4, 1)), (4, 1, (4, 1)),
+])
+def test_valid_world4(replicate, shard, expect):
+    d = ParallelDims.from_config(Parallelism(data_parallel_shard_degree=shard,
+                                             data_parallel_replicate_degree=replicate), 4)
+    assert (d.dp_replicate, d.dp_shard) == expect and d.dp_degree == 4
+    assert d.fsdp == (replicate == 1)
+    assert d.hsdp == (expect == (2, 2))
+    assert d.replicate_only == (expect == (4, 1))
+    assert d.mesh_dim_names == (("dp_shard",) if replicate == 1 else ("dp_replicate", "dp_shard"))
+
+
+@pytest.mark.parametrize("replicate, shard, needles", [
+    (1, 2, ["data_parallel_replicate_degree = 1", "data_parallel_shard_degree = 2", "world size is 4"]),
+    (2, 4, ["= 8", "world size is 4"]),
+    (3, -1, ["data_parallel_replicate_degree = 3", "world size 4", "1, 2, 4"]),
+    (0, -1, ["data_parallel_replicate_degree = 0"]),
+    (1, -2, ["data_parallel_shard_degree = -2"]),
+])
+def test_invalid_world4(replicate, shard, needles):
+    with pytest.raises(ConfigError) as e:
+        ParallelDims.from_config(Parallelism(data_parallel_shard_degree=shard,
+                                             data_parallel_replicate_degree=replicate), 4)
+    for n in needles:
+        assert n in str(e.value)
+
+
+def _mesh_info(replicate):
+    from titanlite.distributed import init_distributed
+    env = init_distributed()
+    dims = ParallelDims.from_config(Parallelism(data_parallel_replicate_degree=replicate), env.world_size)
+    mesh = dims.build_mesh("cpu")
+    return tuple(mesh.mesh_dim_names), tuple(mesh.shape), mesh.get_coordinate()
+
+
+def test_build_mesh_world4():
+    fsdp = run_distributed(_mesh_info, 4, 1)
+    assert [r[:2] for r in fsdp] == [(("dp_shard",), (4,))] * 4
+    hsdp = run_distributed(_mesh_info, 4, 2)
+    assert [r[:2] for r in hsdp] == [(("dp_replicate", "dp_shard"), (2, 2))] * 4
+    assert [tuple(r[2]) for r in hsdp] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -1,0 +1,1 @@
+"""titanlite: a small TorchTitan-style Llama training framework."""

@@ -1,0 +1,73 @@
+"""Process group, device and seeding: nccl on cuda, gloo on cpu; the same code for both."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where this process runs: its rank, the world, and the device it computes on."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when run without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """cuda:<local_rank> when GPUs are visible, else cpu (TITANLITE_DEVICE=cpu forces the CPU)."""
+    if os.environ.get("TITANLITE_DEVICE", "") != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed() -> Env:
+    """Join (or, without torchrun, create a one-process) process group for this device."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = pick_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"  # gloo too, for CPU-side collectives (async checkpoint staging)
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    return Env(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
+
+
+def shutdown() -> None:
+    """Leave the process group if one exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_seed(seed: int, deterministic: bool = False) -> None:
+    """The same seed on every rank (replicas must start identical)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

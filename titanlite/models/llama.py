@@ -1,0 +1,158 @@
+"""Llama 3: RMSNorm, RoPE, grouped-query attention (SDPA), SwiGLU feed-forward.
+
+The model is built on the meta device, sharded, moved with `to_empty`, then `init_weights` fills
+every parameter from a generator seeded by (seed, parameter name) on the full tensor, keeping only
+this rank's shard: the same seed gives bit-identical full weights at any sharding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titanlite.models.llama_args import LlamaArgs
+
+__all__ = ["LlamaArgs", "Transformer", "TransformerBlock"]
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """Complex rotations e^{i m w_j} for positions m < max_seq_len, shape (max_seq_len, head_dim // 2)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of features of x (batch, seq, heads, head_dim) by the table's first seq rows."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = xc * table[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), rope)
+        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), rope)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: LlamaArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def is_transformer_block(name: str, module: nn.Module) -> bool:
+    """Shard-unit predicate: every transformer block."""
+    return isinstance(module, TransformerBlock)
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder: tokens (batch, seq) -> logits (batch, seq, vocab)."""
+
+    # Submodules that get their own fully_shard, as predicates over (qualified name, module).
+    # Embedding and output groups are added by shard_groups(); the root is sharded last by the caller.
+    shard_unit_predicates: tuple[Callable[[str, nn.Module], bool], ...] = (is_transformer_block,)
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError("LlamaArgs.vocab_size must be set (> 0) before building the model")
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    def shard_groups(self) -> list[list[nn.Module]]:
+        """Modules to shard together, one list per fully_shard call (the root excluded)."""
+        units = [[m] for name, m in self.named_modules() if any(p(name, m) for p in self.shard_unit_predicates)]
+        if self.args.tie_embeddings:
+            return [[self.tok_embeddings, self.output]] + units  # a tied weight lives in exactly one group
+        return [[self.tok_embeddings]] + units + [[self.norm, self.output]]
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (garbage after to_empty, and not in checkpoints)."""
+        a = self.args
+        self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope.device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter as a function of (seed, name) only, whatever the sharding; rebuild buffers."""
+        for name, param in self.named_parameters():  # a tied weight is visited once, under its first name
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            gen = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
+            self._init_rule(name)(full, gen)
+            if isinstance(param, DTensor):
+                # src_data_rank=None: every rank drew the same full tensor; keep the local shard, no comms.
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.copy_(full)
+        self.init_buffers()
+
+    def _init_rule(self, name: str) -> Callable[[torch.Tensor, torch.Generator], None]:
+        a = self.args
+        if name.endswith("norm.weight"):
+            return lambda t, g: t.fill_(1.0)
+        if name == "tok_embeddings.weight":
+            std = a.dim ** -0.5 if a.tie_embeddings else 1.0
+            return lambda t, g: nn.init.normal_(t, 0.0, std, generator=g)
+        if name == "output.weight":
+            std = a.dim ** -0.5
+            return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=g)
+        if name.startswith("layers."):
+            layer_id = int(name.split(".")[1])
+            depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+            std = depth_std if name.endswith(("wo.weight", "w2.weight", "w3.weight")) else 0.02
+            return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -2 * std, 2 * std, generator=g)
+        raise KeyError(f"no init rule for parameter {name}")
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)

@@ -1,0 +1,84 @@
+"""Apply FSDP2 to a model: the only module that calls `fully_shard`.
+
+Each group the model names gets its own `fully_shard` with the configured MixedPrecisionPolicy,
+reshard policy and optional CPU offload; the root is sharded last. A 1-D mesh gives FSDP; a 2-D
+("dp_replicate", "dp_shard") mesh gives HSDP (or plain replication when the shard size is 1).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+logger = logging.getLogger("titanlite")
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def reshard_after_forward_policy(value: str, num_groups: int) -> list[bool | int]:
+    """The `reshard_after_forward` argument for each group and then the root (num_groups + 1 values).
+
+    default: reshard every group except the last one run in forward and the root (backward needs
+    their parameters again at once); always / never: the same for all; an int N: after forward,
+    keep the parameters sharded over groups of N ranks (a smaller all-gather in backward).
+    """
+    if value == "always":
+        return [True] * (num_groups + 1)
+    if value == "never":
+        return [False] * (num_groups + 1)
+    if value == "default":
+        return [True] * (num_groups - 1) + [False, False]
+    return [int(value)] * (num_groups + 1)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: str = "bfloat16",
+    reduce_dtype: str = "float32",
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+) -> int:
+    """Shard each group from `model.shard_groups()` and then the root; returns the number of groups."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    groups = model.shard_groups()
+    policy = reshard_after_forward_policy(reshard_after_forward, len(groups))
+    for modules, reshard in zip(groups, policy):
+        target = modules[0] if len(modules) == 1 else modules
+        fully_shard(target, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=policy[-1])
+    return len(groups)
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every FSDP-managed module of the model, the root first."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def describe(num_groups: int, mesh: DeviceMesh, dims) -> list[str]:
+    """The start-up log lines about the sharding (num_groups as returned by apply_fsdp)."""
+    return [dims.describe(), f"Sharded {num_groups} modules + root on mesh "
+            f"{tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}"]
+
+
+@contextmanager
+def microbatch_sync(model: nn.Module, is_last: bool, delay_all_reduce: bool):
+    """Gradient synchronisation for one microbatch of an accumulated step.
+
+    With delay_all_reduce (HSDP only), the replicate-group all-reduce runs only on the last
+    microbatch; the reduce-scatter inside the shard group still runs on every microbatch.
+    """
+    if delay_all_reduce and isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(is_last)  # recurses into every FSDP module
+    try:
+        yield
+    finally:
+        if delay_all_reduce and isinstance(model, FSDPModule):
+            model.set_requires_all_reduce(True)
