@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -74,6 +75,11 @@ class Trainer:
         self.grad_accum = accumulation_steps(cfg, self.dims.dp_degree)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
+        self.dataloader = PackedDataLoader(
+            self.tokenizer, cfg.training.dataset, seq_len=cfg.training.seq_len,
+            global_batch_size=cfg.training.global_batch_size, local_batch_size=cfg.training.local_batch_size,
+            dp_rank=int(os.environ.get("RANK", "0")), dp_degree=self.dims.dp_degree, split=cfg.training.dataset_split,
+            text_field=cfg.training.dataset_text_field, config_name=cfg.training.dataset_config)
 
         self.env = init_distributed()
         set_seed(cfg.training.seed, cfg.training.deterministic)
@@ -97,11 +103,6 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.dataloader = PackedDataLoader(
-            self.tokenizer, cfg.training.dataset, seq_len=cfg.training.seq_len,
-            global_batch_size=cfg.training.global_batch_size, local_batch_size=cfg.training.local_batch_size,
-            dp_rank=self.env.rank, dp_degree=self.dims.dp_degree, split=cfg.training.dataset_split,
-            text_field=cfg.training.dataset_text_field, config_name=cfg.training.dataset_config)
         self.step = 0
         self.tokens_seen = 0
         # Step at which the loss first went non-finite (-1: never), kept on the device: no sync per step.
