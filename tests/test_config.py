@@ -101,3 +101,10 @@ def test_to_toml_round_trips(tmp_path):
     p = tmp_path / "out.toml"
     p.write_text(config.to_toml(cfg))
     assert load(["--job.config_file", str(p)]).to_dict() == {**cfg.to_dict(), "job": {**cfg.to_dict()["job"], "config_file": str(p)}}
+
+
+def test_readme_config_reference_is_current():
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert config.markdown_reference().strip() in readme, (
+        "README config reference is stale: paste the output of `python -m titanlite.config --markdown`")

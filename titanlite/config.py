@@ -360,9 +360,28 @@ def help_text() -> str:
     return "\n".join(out)
 
 
+def markdown_reference() -> str:
+    """Every section and field as Markdown tables (the README's config reference)."""
+    out, defaults = [], JobConfig()
+    for section, cls in _sections().items():
+        out += [f"**[{section}]**", "", "| key | default | meaning |", "|---|---|---|"]
+        for name, fld in _fields(cls).items():
+            v = getattr(getattr(defaults, section), name)
+            shown = str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
+            out.append(f"| `{name}` | `{shown}` | {fld.metadata.get('doc', '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m titanlite.config [overrides]`: validate a configuration (and a world size) and print it."""
+    """`python -m titanlite.config [--world-size N] [overrides]`: validate a configuration and print it.
+
+    `python -m titanlite.config --markdown` prints the config reference for the README.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--markdown"]:
+        print(markdown_reference())
+        return 0
     world = None
     if "--world-size" in argv:
         i = argv.index("--world-size")

@@ -1,0 +1,44 @@
+"""run_train.sh: the launcher resolves configs, starts torchrun with gloo and logs the loss."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args, env_extra=None, timeout=300):
+    env = {**os.environ, "NGPU": "2", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    return subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_train_debug_config(tmp_path):
+    r = _run(["--config", "debug_model.toml", "--training.steps", "3", "--metrics.log_freq=1",
+              "--training.seq_len", "64", "--job.dump_folder", str(tmp_path)])
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    losses = [float(x) for x in re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)", out)]
+    assert len(losses) == 3, out[-3000:]
+    assert "FSDP: shard_size=2" in out and "Sharded 8 modules + root" in out
+
+
+def test_run_train_hsdp_override_and_config_file_env(tmp_path):
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text((ROOT / "train_configs" / "debug_model.toml").read_text())
+    r = _run(["--parallelism.data_parallel_replicate_degree", "2", "--training.steps=2", "--metrics.log_freq=1",
+              "--model.flavor", "tiny", "--training.seq_len", "32", "--job.dump_folder", str(tmp_path)],
+             env_extra={"CONFIG_FILE": str(cfg)})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "Replicate-only (DDP-like): replicate_size=2, shard_size=1" in out
+
+
+def test_run_train_bad_config_fails_fast_without_traceback(tmp_path):
+    r = _run(["--config", "llama8b_hsdp", "--parallelism.data_parallel_replicate_degree", "3"])
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "torchrun" not in r.stderr
+    assert "data_parallel_replicate_degree = 3" in r.stderr and "world size 2" in r.stderr
+    r = _run(["--config", "no_such_config"])
+    assert r.returncode == 2 and "job.config_file = 'no_such_config'" in r.stderr
