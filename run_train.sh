@@ -24,6 +24,10 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
+for a in ${args[@]+"${args[@]}"}; do
+    if [[ "$a" == "--help" || "$a" == "-h" ]]; then exec python -m titanlite.config --help; fi
+done
+
 if [[ -z "${NGPU:-}" ]]; then
     NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
     [[ "$NGPU" -gt 0 ]] || NGPU=2

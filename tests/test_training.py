@@ -113,3 +113,23 @@ def test_bf16_params_train(tmp_path):
     losses = run_distributed(_train_all, 2, [argv])[0][0]
     assert all(math.isfinite(v) for v in losses.values())
     assert losses[15] < losses[1] - 0.5
+
+
+def _diverge(argv):
+    from titanlite.config import load
+    from titanlite.train import NonFiniteLossError, Trainer
+    t = Trainer(load(argv))
+    try:
+        t.train()
+    except NonFiniteLossError as e:
+        return str(e)
+    return None
+
+
+def test_non_finite_loss_stops_with_step(tmp_path):
+    # an absurd learning rate without clipping blows the weights up within a few steps
+    msg = run_distributed(_diverge, 1, tiny_argv(tmp_path, "--optimizer.lr", "1e12", "--training.max_norm", "0",
+                                                  "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "5"))[0]
+    assert msg is not None and "non-finite at step" in msg
+    step = int(msg.split("non-finite at step ")[1].split()[0])
+    assert 1 <= step <= 10
