@@ -91,20 +91,30 @@ def test_init_is_topology_invariant(tmp_path):
 
 def test_loss_parity_across_topologies(tmp_path):
     base = tiny_argv(tmp_path, "--training.global_batch_size", "8")
-    single = run_distributed(_train_all, 1, [base + ["--training.local_batch_size", "8"]])[0][0]
+    single, single_tied = run_distributed(_train_all, 1, [base + ["--training.local_batch_size", "8"],
+                                                          base + ["--training.local_batch_size", "8",
+                                                                  "--model.tie_embeddings"]])[0]
     world4 = run_distributed(_train_all, 4, [
         base + ["--training.local_batch_size", "2"],  # FSDP(4)
         base + ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],  # HSDP
         base + ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "4"],  # DDP
         base + ["--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "2",
                 "--parallelism.hsdp_delay_all_reduce"],  # HSDP, 2 microbatches, delayed all-reduce
+        base + ["--training.local_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "2"],
+        base + ["--training.local_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "never"],
+        base + ["--training.local_batch_size", "2", "--training.enable_cpu_offload"],
+        base + ["--training.local_batch_size", "2", "--model.tie_embeddings"],
     ])[0]
     fsdp2_accum = run_distributed(_train_all, 2, [base + ["--training.local_batch_size", "2"]])[0][0]
     assert len(single) == 10
     assert single[10] < single[1]  # it trains
-    for name, losses in zip(["fsdp4", "hsdp2x2", "replicate4", "hsdp_delay", "fsdp2_accum2"], world4 + [fsdp2_accum]):
-        for step in single:
-            assert abs(losses[step] - single[step]) < 1e-5, (name, step, losses[step], single[step])
+    names = ["fsdp4", "hsdp2x2", "replicate4", "hsdp_delay", "reshard_to_2", "reshard_never", "cpu_offload",
+             "tied", "fsdp2_accum2"]
+    for name, losses in zip(names, world4 + [fsdp2_accum]):
+        ref = single_tied if name == "tied" else single
+        for step in ref:
+            assert abs(losses[step] - ref[step]) < 1e-5, (name, step, losses[step], ref[step])
+    assert single_tied[10] < single_tied[1]
 
 
 def test_bf16_params_train(tmp_path):

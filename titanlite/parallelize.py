@@ -47,7 +47,8 @@ def apply_fsdp(
 ) -> int:
     """Shard each group from `model.shard_groups()` and then the root; returns the number of groups."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory needs an accelerator; on a CPU-only mesh offloading is a no-op anyway.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
     groups = model.shard_groups()
     policy = reshard_after_forward_policy(reshard_after_forward, len(groups))
     for modules, reshard in zip(groups, policy):
