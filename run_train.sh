@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Launch titanlite training with torchrun.
 #
-#   ./run_train.sh [--config NAME|FILE] [--dry-run ...] [--section.key value ...]
+#   ./run_train.sh [--config NAME|FILE] [--dry-run [--dry-run-gpu-mem-gib N]] [--section.key value ...]
+#
+# --dry-run checks the job and prints each rank's memory for NGPU x NNODES ranks without starting it
+# (NGPU unset: the visible GPUs, else 8); exit status 0 fits, 1 does not fit, 2 config error.
 #
 # Environment:
 #   CONFIG_FILE   TOML file (default train_configs/debug_model.toml); --config NAME wins over it
@@ -16,10 +19,12 @@ cd "$(dirname "$0")"
 
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 args=()
+dry_run=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --config) CONFIG_FILE="$2"; shift 2 ;;
         --config=*) CONFIG_FILE="${1#*=}"; shift ;;
+        --dry-run) dry_run=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -27,6 +32,11 @@ done
 for a in ${args[@]+"${args[@]}"}; do
     if [[ "$a" == "--help" || "$a" == "-h" ]]; then exec python -m titanlite.config --help; fi
 done
+
+if [[ "$dry_run" == 1 ]]; then
+    # Check the job and size its memory for NGPU x NNODES ranks: no GPU, no torchrun, no real process group.
+    exec python -m titanlite.dry_run --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"}
+fi
 
 if [[ -z "${NGPU:-}" ]]; then
     NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)

@@ -111,6 +111,20 @@ class Metrics:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: str = _f("none", "recompute activations in backward, per transformer block: none, full or selective")
+    selective_ac_option: str = _f(
+        "2", "selective mode: an integer k (checkpoint every k-th block) or 'op' (every block, but keep "
+             "matmul and attention outputs and recompute only the cheap ops)")
+
+
+@dataclass
+class Compile:
+    enable: bool = _f(False, "torch.compile each transformer block (before sharding)")
+    backend: str = _f("inductor", "torch.compile backend: inductor, aot_eager or eager")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -120,6 +134,8 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
 
     def to_dict(self) -> dict:
         """The configuration as nested plain dicts (TOML-shaped)."""
@@ -165,6 +181,10 @@ check("parallelism", "fsdp_reshard_after_forward", "default, always, never, or a
     lambda v: v in ("default", "always", "never") or (v.isdigit() and int(v) >= 1))
 check("model", "name", "llama3")(lambda v: v == "llama3")
 check("model", "vocab_size", "0 or a number > 0")(lambda v: v >= 0)
+check("activation_checkpoint", "mode", "none, full or selective")(lambda v: v in ("none", "full", "selective"))
+check("activation_checkpoint", "selective_ac_option", "'op' or an integer >= 1 (checkpoint every k-th block)")(
+    lambda v: v == "op" or (v.isdigit() and int(v) >= 1))
+check("compile", "backend", "inductor, aot_eager or eager")(lambda v: v in ("inductor", "aot_eager", "eager"))
 
 
 def _sections() -> dict[str, type]:

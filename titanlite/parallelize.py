@@ -1,4 +1,5 @@
-"""Apply FSDP2 to a model: the only module that calls `fully_shard`.
+"""Apply FSDP2 to a model: the only module that calls `fully_shard`; and, before it, activation
+checkpointing and torch.compile of the transformer blocks.
 
 Each group the model names gets its own `fully_shard` with the configured MixedPrecisionPolicy,
 reshard policy and optional CPU offload; the root is sharded last. A 1-D mesh gives FSDP; a 2-D
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 logger = logging.getLogger("titanlite")
 
@@ -83,3 +86,99 @@ def microbatch_sync(model: nn.Module, is_last: bool, delay_all_reduce: bool):
     finally:
         if delay_all_reduce and isinstance(model, FSDPModule):
             model.set_requires_all_reduce(True)
+
+
+# Selective "op" checkpointing keeps these outputs and recomputes everything else (norms, RoPE,
+# activations, residual adds): the matmuls and attention are the expensive ops to run twice.
+_AC_SAVE_OPS = [
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+]
+
+
+def checkpointed_blocks(num_blocks: int, ac_cfg) -> list[int]:
+    """Indices of the transformer blocks that activation checkpointing wraps.
+
+    full or selective 'op': every block; selective k: every k-th block (k-1, 2k-1, ... as in TorchTitan).
+    """
+    if ac_cfg.mode == "none":
+        return []
+    if ac_cfg.mode == "full" or ac_cfg.selective_ac_option == "op":
+        return list(range(num_blocks))
+    k = int(ac_cfg.selective_ac_option)
+    return [i for i in range(num_blocks) if (i + 1) % k == 0]
+
+
+def ac_label(ac_cfg) -> str:
+    """The AC mode as the log and the dry run print it: none, full, selective op, selective every k-th."""
+    if ac_cfg.mode != "selective":
+        return ac_cfg.mode
+    return "selective op" if ac_cfg.selective_ac_option == "op" else f"selective every {ac_cfg.selective_ac_option}"
+
+
+def describe_ac_compile(ac_cfg, ac_blocks: list[int], compiled: int, num_blocks: int) -> str:
+    """The start-up log line about activation checkpointing and compile."""
+    where = f" on {len(ac_blocks)} of {num_blocks} blocks" if ac_blocks else ""
+    return f"Activation checkpointing: {ac_label(ac_cfg)}{where}; compiled {compiled} of {num_blocks} blocks"
+
+
+def apply_ac(model: nn.Module, ac_cfg) -> list[int]:
+    """Activation checkpointing of `model.layers` per `[activation_checkpoint]`; call before fully_shard.
+
+    Returns the indices of the wrapped blocks. Each block's forward is wrapped in place, so module
+    structure, parameter names and state-dict keys are those of the model without checkpointing.
+    """
+    wrapped = checkpointed_blocks(len(model.layers), ac_cfg)
+    context_fn = None
+    if ac_cfg.mode == "selective" and ac_cfg.selective_ac_option == "op":
+        context_fn = partial(create_selective_checkpoint_contexts, _AC_SAVE_OPS)
+    for i in wrapped:
+        _checkpoint_forward(model.layers[i], context_fn)
+    return wrapped
+
+
+def _checkpoint_forward(block: nn.Module, context_fn) -> None:
+    inner = block.forward
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+
+    # An instance attribute, not a wrapper module: a wrapper (checkpoint_wrapper) would insert
+    # `_checkpoint_wrapped_module.` into every parameter name, and init seeds and checkpoints use names.
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.forward = forward
+
+
+def compile_problem(compile_cfg, device_type: str) -> str | None:
+    """Why `[compile]` cannot work on this machine for `device_type`, or None when it can (or is off)."""
+    if not compile_cfg.enable or compile_cfg.backend != "inductor":
+        return None
+    if device_type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+            get_cpp_compiler()
+        except Exception as e:  # inductor raises its own InvalidCxxCompiler
+            return (f"compile.enable = true with compile.backend = 'inductor' needs a C++ compiler on CPU and none "
+                    f"was found ({type(e).__name__}); install g++ or set CXX, use compile.backend = 'aot_eager', "
+                    f"or set compile.enable = false")
+    elif device_type == "cuda":
+        from torch.utils._triton import has_triton
+        if not has_triton():
+            return ("compile.enable = true with compile.backend = 'inductor' needs triton on GPUs and it is not "
+                    "installed; pip install triton, or set compile.enable = false")
+    return None
+
+
+def apply_compile(model: nn.Module, compile_cfg) -> int:
+    """torch.compile each block of `model.layers` in place (after apply_ac, before fully_shard); returns the count.
+
+    `Module.compile` keeps the module and its parameter names; identical blocks share one compiled graph.
+    """
+    if not compile_cfg.enable:
+        return 0
+    for block in model.layers:
+        block.compile(backend=compile_cfg.backend, fullgraph=True)
+    return len(model.layers)

@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from titanlite import config as config_mod
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import PackedDataLoader, build_tokenizer
-from titanlite.distributed import init_distributed, set_seed, shutdown, world_size_from_env
+from titanlite.distributed import init_distributed, pick_device, set_seed, shutdown, world_size_from_env
 from titanlite.metrics import MetricsLogger, StepMetrics, Throughput, setup_logging
 from titanlite.models import model_args
-from titanlite.models.llama import Transformer
+from titanlite.models.llama import LlamaArgs, Transformer
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
-from titanlite.parallelize import apply_fsdp, describe, microbatch_sync
+from titanlite.parallelize import (apply_ac, apply_compile, apply_fsdp, compile_problem, describe,
+                                   describe_ac_compile, microbatch_sync)
 
 logger = logging.getLogger("titanlite")
 
@@ -65,40 +66,90 @@ def resolve(cfg: JobConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+@dataclass
+class RunPlan:
+    """What a configuration resolves to for one world size, built before any process group."""
+
+    dims: ParallelDims
+    grad_accum: int
+    tokenizer: object
+    model_args: LlamaArgs
+    dataloader: PackedDataLoader
+
+
+def validate_for_world(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str | None = "cpu") -> RunPlan:
+    """Every check a run makes before its process group, as ConfigError; the dry run calls it too.
+
+    device_type is the device the run computes on; None (the dry run, on another machine) skips the
+    checks of this machine's software (a compiler for torch.compile).
+    """
+    dims = resolve(cfg, world_size)
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
+        raise ConfigError(f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} checkpoints no "
+                          f"block of the {args.n_layers}; valid: 'op' or an integer from 1 to {args.n_layers}")
+    problem = compile_problem(cfg.compile, device_type) if device_type else None
+    if problem:
+        raise ConfigError(problem)
+    t = cfg.training
+    dataloader = PackedDataLoader(
+        tokenizer, t.dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+        local_batch_size=t.local_batch_size, dp_rank=rank, dp_degree=dims.dp_degree, split=t.dataset_split,
+        text_field=t.dataset_text_field, config_name=t.dataset_config)
+    return RunPlan(dims=dims, grad_accum=accumulation_steps(cfg, dims.dp_degree), tokenizer=tokenizer,
+                   model_args=args, dataloader=dataloader)
+
+
+@dataclass
+class BuiltModel:
+    model: Transformer
+    ac_blocks: list[int]  # indices of the activation-checkpointed blocks
+    compiled: int  # blocks compiled
+    num_sharded: int  # fully_shard units besides the root
+
+
+def build_model(cfg: JobConfig, args: LlamaArgs, mesh) -> BuiltModel:
+    """The model on the meta device with activation checkpointing, compile and FSDP applied, in that order."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    ac_blocks = apply_ac(model, cfg.activation_checkpoint)
+    compiled = apply_compile(model, cfg.compile)
+    num_sharded = apply_fsdp(
+        model, mesh,
+        param_dtype=cfg.training.mixed_precision_param,
+        reduce_dtype=cfg.training.mixed_precision_reduce,
+        reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+        cpu_offload=cfg.training.enable_cpu_offload,
+    )
+    return BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=num_sharded)
+
+
 class Trainer:
     """Builds the mesh, the sharded model, optimizer and data from a JobConfig, and trains."""
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         # Everything a user can get wrong is checked before the process group starts.
-        self.dims = resolve(cfg, world_size_from_env())
-        self.grad_accum = accumulation_steps(cfg, self.dims.dp_degree)
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        self.model_args = model_args(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
-        self.dataloader = PackedDataLoader(
-            self.tokenizer, cfg.training.dataset, seq_len=cfg.training.seq_len,
-            global_batch_size=cfg.training.global_batch_size, local_batch_size=cfg.training.local_batch_size,
-            dp_rank=int(os.environ.get("RANK", "0")), dp_degree=self.dims.dp_degree, split=cfg.training.dataset_split,
-            text_field=cfg.training.dataset_text_field, config_name=cfg.training.dataset_config)
+        plan = validate_for_world(cfg, world_size_from_env(), rank=int(os.environ.get("RANK", "0")),
+                                  device_type=pick_device(int(os.environ.get("LOCAL_RANK", "0"))).type)
+        self.dims, self.grad_accum, self.tokenizer = plan.dims, plan.grad_accum, plan.tokenizer
+        self.model_args, self.dataloader = plan.model_args, plan.dataloader
 
         self.env = init_distributed()
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.device = self.env.device
         self.mesh = self.dims.build_mesh(self.device.type)
 
-        with torch.device("meta"):
-            self.model = Transformer(self.model_args)
-        self.num_sharded = apply_fsdp(
-            self.model, self.mesh,
-            param_dtype=cfg.training.mixed_precision_param,
-            reduce_dtype=cfg.training.mixed_precision_reduce,
-            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-            cpu_offload=cfg.training.enable_cpu_offload,
-        )
+        built = build_model(cfg, self.model_args, self.mesh)
+        self.model, self.num_sharded = built.model, built.num_sharded
         self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
         self.model.init_weights(cfg.training.seed)
         for line in describe(self.num_sharded, self.mesh, self.dims):
             logger.info(line)
+        logger.info(describe_ac_compile(cfg.activation_checkpoint, built.ac_blocks, built.compiled,
+                                        self.model_args.n_layers))
         self.delay_all_reduce = self._delay_all_reduce_enabled()
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)

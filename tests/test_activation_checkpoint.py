@@ -1,0 +1,163 @@
+"""Activation checkpointing and compile: same losses and gradients, same names, less memory; the
+activation estimate of the dry run against memory measured on CPU.
+
+Peak memory on CPU is measured with torch's MemTracker (torch.distributed._tools), a
+TorchDispatchMode that follows every tensor storage's lifetime and reports the peak by kind;
+"activations" here are its Activation + Temp bytes at the peak.
+"""
+
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_helpers import run_distributed
+from test_training import _train_all, _trainer, tiny_argv
+from titanlite.config import ConfigError, load
+from titanlite.memory_estimate import activation_bytes
+from titanlite.models.llama import Transformer
+from titanlite.models.llama_args import LlamaArgs
+from titanlite.parallelize import apply_ac, checkpointed_blocks, compile_problem
+
+MODES = {"none": ("none", "2"), "full": ("full", "2"), "selective2": ("selective", "2"), "op": ("selective", "op")}
+
+
+def _ac_cfg(name):
+    mode, option = MODES[name]
+    return types.SimpleNamespace(mode=mode, selective_ac_option=option)
+
+
+def _step(args, ac_name, dtype=torch.float32, batch=4, seq=64):
+    """One forward and backward on CPU: loss, grads, names, keys, measured and estimated activation peaks."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    with warnings.catch_warnings():  # .to(bf16) casts the complex RoPE table too; init_buffers rebuilds it
+        warnings.simplefilter("ignore", UserWarning)
+        model.to(dtype)
+    model.init_buffers()
+    wrapped = apply_ac(model, _ac_cfg(ac_name))
+    tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    tracker = MemTracker()
+    tracker.track_external(model, tokens)
+    with tracker:
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+        del logits
+        loss.backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    measured = sum(v for k, v in peak.items() if k != "Total" and k.value in ("Activation", "Temp"))
+    estimated = activation_bytes(args, batch * seq, dtype.itemsize, wrapped, ac_name == "op")["total"]
+    return dict(loss=loss.detach(), grads={n: p.grad for n, p in model.named_parameters()},
+                names=[n for n, _ in model.named_parameters()], keys=list(model.state_dict()),
+                wrapped=wrapped, measured=measured, estimated=estimated)
+
+
+def _args(vocab=258):
+    return LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, vocab_size=vocab)
+
+
+def _assert_estimate_close(runs):
+    for name, r in runs.items():
+        assert 0.9 < r["estimated"] / r["measured"] < 1.15, (name, r["estimated"], r["measured"])
+
+
+def test_ac_same_loss_grads_and_names_less_memory():
+    runs = {name: _step(_args(), name) for name in MODES}
+    ref = runs["none"]
+    assert [runs[n]["wrapped"] for n in MODES] == [[], [0, 1, 2, 3], [1, 3], [0, 1, 2, 3]]
+    for name, r in runs.items():
+        assert r["names"] == ref["names"] and r["keys"] == ref["keys"], name  # no wrapper prefix
+        torch.testing.assert_close(r["loss"], ref["loss"], rtol=0, atol=1e-6)
+        for n, g in ref["grads"].items():
+            torch.testing.assert_close(r["grads"][n], g, rtol=1e-6, atol=1e-7, msg=f"{name} {n}")
+    peak = {n: r["measured"] for n, r in runs.items()}
+    assert peak["full"] < peak["selective2"] < peak["none"], peak
+    assert peak["op"] < peak["none"], peak
+    assert peak["full"] < 0.4 * peak["none"], peak
+    _assert_estimate_close(runs)  # the dry run's formula (fp32, the blocks dominate)
+
+
+@pytest.mark.parametrize("vocab", [258, 4096])
+def test_activation_estimate_matches_measured_peak_bf16(vocab):
+    """The dry run's formula in bf16: small vocab (the blocks dominate) and big (the loss does)."""
+    _assert_estimate_close({name: _step(_args(vocab), name, torch.bfloat16) for name in MODES})
+
+
+def test_checkpointed_blocks_and_config_checks(monkeypatch, tmp_path):
+    assert checkpointed_blocks(6, _ac_cfg("selective2")) == [1, 3, 5]
+    assert checkpointed_blocks(6, types.SimpleNamespace(mode="selective", selective_ac_option="3")) == [2, 5]
+    with pytest.raises(ConfigError, match="activation_checkpoint.mode = 'some'.*none, full or selective"):
+        load(["--activation_checkpoint.mode", "some"])
+    with pytest.raises(ConfigError, match="selective_ac_option = 'ops'.*'op' or an integer"):
+        load(["--activation_checkpoint.selective_ac_option", "ops"])
+    with pytest.raises(ConfigError, match="compile.backend = 'tvm'"):
+        load(["--compile.backend", "tvm"])
+    # inductor on CPU without a C++ compiler: a clear message at start, not an error at the first step
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
+    problem = compile_problem(types.SimpleNamespace(enable=True, backend="inductor"), "cpu")
+    assert problem and "needs a C++ compiler" in problem and "aot_eager" in problem
+    from titanlite.train import validate_for_world
+    with pytest.raises(ConfigError, match="compile.enable = true .* needs a C\\+\\+ compiler"):
+        validate_for_world(load(tiny_argv(tmp_path, "--compile.enable")), 1, device_type="cpu")
+    assert compile_problem(types.SimpleNamespace(enable=True, backend="aot_eager"), "cpu") is None
+
+
+def _ac_trainer_facts(argv_list):
+    """Per argv: losses, state-dict keys, whether every block is its own FSDP unit, local state bytes."""
+    from torch.distributed.fsdp import FSDPModule
+    from titanlite.memory_estimate import sharded_state_bytes
+
+    out = []
+    for argv in argv_list:
+        t = _trainer(argv)
+        keys = list(t.model.state_dict())
+        blocks_sharded = all(isinstance(b, FSDPModule) for b in t.model.layers)
+        out.append(dict(losses=t.train(), keys=keys, blocks_sharded=blocks_sharded,
+                        params=sharded_state_bytes(t.model).params))
+    return out
+
+
+def test_ac_in_fsdp_trainer_same_losses(tmp_path):
+    base = tiny_argv(tmp_path, "--training.steps", "3", "--training.local_batch_size", "2")
+    runs = run_distributed(_ac_trainer_facts, 2, [
+        base,
+        base + ["--activation_checkpoint.mode", "full"],
+        base + ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    ])[0]
+    ref = runs[0]
+    for r in runs[1:]:
+        assert r["keys"] == ref["keys"] and r["blocks_sharded"]
+        for step, loss in ref["losses"].items():
+            assert abs(r["losses"][step] - loss) < 1e-6, (step, r["losses"][step], loss)
+    # the dry run counts the same per-rank parameter bytes from the meta model on a fake process group
+    from titanlite import dry_run
+    from titanlite.train import validate_for_world
+    cfg = load(base)
+    plan = validate_for_world(cfg, 2, device_type=None)
+    lines, _ = dry_run.report(cfg, plan, 2, "test", 80.0)
+    param_gib = float(next(line for line in lines if line.strip().startswith("parameters")).split()[-1])
+    assert abs(param_gib - ref["params"] / 1024**3) < 0.006
+
+
+def test_compile_same_losses(tmp_path):
+    """Per-block torch.compile (inductor on CPU) with selective AC: block 0 compiled plain, block 1
+    compiled with checkpointing; the losses of eager (fp32)."""
+    base = tiny_argv(tmp_path, "--training.steps", "3", "--training.local_batch_size", "2")
+    eager, compiled = run_distributed(_train_all, 1, [base, base + [
+        "--compile.enable", "--activation_checkpoint.mode", "selective",
+        "--activation_checkpoint.selective_ac_option", "2"]])[0]
+    for step, loss in eager.items():
+        assert abs(compiled[step] - loss) < 1e-4 * max(1.0, abs(loss)), (step, compiled[step], loss)
+
+
+def test_selective_option_beyond_layers_is_a_config_error(tmp_path):
+    from titanlite.train import validate_for_world
+    cfg = load(tiny_argv(tmp_path, "--activation_checkpoint.mode", "selective",
+                         "--activation_checkpoint.selective_ac_option", "3"))
+    with pytest.raises(ConfigError, match=r"selective_ac_option = '3' checkpoints no block of the 2.*1 to 2"):
+        validate_for_world(cfg, 1)

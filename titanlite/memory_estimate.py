@@ -1,0 +1,106 @@
+"""Per-rank memory of one training step, from the model shape and the sharding plan (no GPU needed).
+
+Activations (a = bytes of the compute dtype, per token of a microbatch of B x S tokens), counted from
+what autograd saves in titanlite's Llama block (RMSNorm saves its input, 1/rms and the normalised
+input; SDPA saves q, k, v, its output and an fp32 logsumexp; SwiGLU saves w1, silu, w3 and their
+product); checked against torch's MemTracker on CPU in tests/test_memory_estimate.py:
+
+    block, no AC             F = (8*dim + 2*kv_dim + 4*ffn_dim + 2) * a + 4*n_heads
+    block, full AC           C = dim * a                                 (only the block's input)
+    block, selective 'op'    O = (5*dim + 2*kv_dim + 2*ffn_dim) * a + 4*n_heads
+                                 (input, q/k/v, attention and wo outputs, w1/w3/w2 outputs)
+    recompute (any AC)       one checkpointed block rebuilds its F in backward
+    final norm               3*dim * a
+    loss                     vocab * (a + 4 + 4): the logits, their fp32 copy (none when a = 4)
+                             and log_softmax's fp32 output, alive together at the loss
+
+    activations = B*S * (sum over blocks + final norm + max(loss, recompute))
+
+Selective k wraps every k-th block (C) and leaves the others at F. Fused GPU kernels (RMSNorm,
+attention backends) save a little less, so on GPUs this is an upper bound by a few percent.
+
+Sharded state per rank is read from the sharded (meta) model: the local shard of every parameter
+(fp32 master weights), as many bytes of gradients, and AdamW's two fp32 moments. FSDP's buffers in
+flight: all-gathered parameters of the two largest units (the one computing and the one prefetched)
+in the compute dtype, plus the unsharded gradient of the largest unit in the compute dtype and its
+copy in the reduce dtype; with reshard_after_forward 'never' every unit stays gathered after forward,
+with an int N every unit keeps a 1/N shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def block_activation_bytes(args, act_bytes: int) -> dict[str, int]:
+    """Bytes per token that one block keeps for backward: 'none' (F), 'full' (C) and 'op' (O) above."""
+    dim, kv, ffn = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    lse = 4 * args.n_heads
+    norms = 2 * dim * (4 + 4 + act_bytes) + 2 * 4  # fp32 input and x/rms, the output, fp32 1/rms
+    return {
+        "none": norms + (2 * dim + 2 * kv + 4 * ffn) * act_bytes + lse,
+        "full": dim * act_bytes,
+        "op": (5 * dim + 2 * kv + 2 * ffn) * act_bytes + lse,
+    }
+
+
+def activation_bytes(args, tokens: int, act_bytes: int, wrapped: list[int], op_sac: bool) -> dict[str, int]:
+    """Peak activation bytes of one microbatch of `tokens` tokens, by part (and 'total').
+
+    wrapped: indices of the checkpointed blocks (see parallelize.checkpointed_blocks); op_sac: they
+    use selective 'op' checkpointing rather than full recomputation.
+    """
+    per_block = block_activation_bytes(args, act_bytes)
+    kept = per_block["op"] if op_sac else per_block["full"]
+    blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
+    loss = args.vocab_size * 12
+    recompute = per_block["none"] if wrapped else 0
+    parts = {
+        "blocks": tokens * blocks,
+        "final norm": tokens * args.dim * (4 + 4 + act_bytes),
+        "loss or recompute": tokens * max(loss, recompute),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+@dataclass
+class ShardedState:
+    """Bytes one rank holds for the sharded model state."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+
+def sharded_state_bytes(model) -> ShardedState:
+    """Parameters (local shards, their own dtype), gradients (the same) and Adam's two moments (fp32)."""
+    params = optim = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        params += local.numel() * local.element_size()
+        optim += 2 * local.numel() * 4
+    return ShardedState(params=params, grads=params, optimizer=optim)
+
+
+def unit_numels(model) -> list[int]:
+    """Full (unsharded) parameter count of each fully_shard unit of the model, root excluded."""
+    out = []
+    for group in model.shard_groups():
+        seen = {id(p): p for m in group for p in m.parameters()}
+        out.append(sum(p.numel() for p in seen.values()))
+    return out
+
+
+def fsdp_buffer_bytes(units: list[int], param_bytes: int, reduce_bytes: int, reshard_after_forward: str) -> int:
+    """Bytes of unsharded parameters and gradients FSDP holds at once (see the module docstring)."""
+    largest = sorted(units, reverse=True)[:2]
+    gathered = sum(largest) * param_bytes
+    if reshard_after_forward == "never":
+        gathered = sum(units) * param_bytes
+    elif reshard_after_forward.isdigit():
+        gathered += sum(units) * param_bytes // int(reshard_after_forward)
+    grads = largest[0] * (param_bytes + (reduce_bytes if reduce_bytes != param_bytes else 0))
+    return gathered + grads
