@@ -409,9 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         del argv[i:i + 2]
     try:
         cfg = load(argv)
-        if world is not None:
-            from titanlite.parallel_dims import ParallelDims
-            ParallelDims.from_config(cfg.parallelism, world)
+        if world is not None:  # every check the run makes before its process group (imports torch)
+            from titanlite.distributed import pick_device
+            from titanlite.train import validate_for_world
+            validate_for_world(cfg, world, device_type=pick_device(0).type)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
