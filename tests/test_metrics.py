@@ -87,9 +87,9 @@ def test_eta_is_mean_step_time_without_the_first_step(monkeypatch):
 
     now = [100.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
-    timer = metrics.StepTimer(total_steps=10, start_step=2)  # resumed after step 2
+    timer = metrics.StepTimer(total_steps=10)
     assert timer.eta(3) is None
-    now[0] = 130.0  # the first step (3) is slow: 30 s
+    now[0] = 130.0  # the first step run (3: resumed after step 2) is slow: 30 s
     timer.step_done(3)
     assert timer.eta(3) == 30.0 * 7
     for step in range(4, 7):  # then 2 s each

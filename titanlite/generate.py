@@ -128,6 +128,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (rank 0's draw is broadcast)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the end-of-text token (default: go on into a new document)")
     return p.parse_known_args(argv)
 
 
@@ -164,7 +166,7 @@ def run(argv: list[str]) -> str:
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
     t0 = time.perf_counter()
     new = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   seed=args.seed, eos_id=tokenizer.eos_id)
+                   seed=args.seed, eos_id=tokenizer.eos_id if args.stop_at_eos else None)
     dt = time.perf_counter() - t0
     logger.info(f"Generated {len(new)} tokens in {dt:.1f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s, no KV cache)")
     return tokenizer.decode(new)

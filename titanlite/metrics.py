@@ -104,6 +104,7 @@ class Throughput:
         self.excluded = 0.0
 
     def add(self, tokens: int) -> None:
+        """Tokens processed by this rank in one step."""
         self.tokens += tokens
 
     def exclude(self, seconds: float) -> None:
@@ -111,6 +112,7 @@ class Throughput:
         self.excluded += seconds
 
     def rate(self) -> float:
+        """Tokens per second since the previous call (or the start); restarts the interval."""
         now = time.perf_counter()
         rate = self.tokens / max(now - self.last_time - self.excluded, 1e-9)
         self.last_time, self.tokens, self.excluded = now, 0, 0.0
@@ -120,21 +122,23 @@ class Throughput:
 class StepTimer:
     """Elapsed time since training started and the ETA from the mean step time, the first step excluded."""
 
-    def __init__(self, total_steps: int, start_step: int = 0):
+    def __init__(self, total_steps: int):
         self.total_steps = total_steps
         self.t0 = time.perf_counter()
-        self.first_step = start_step + 1  # the first step this process runs (warm-up, compile)
+        self.first_step: int | None = None  # the first step this process ran (warm-up, compile); > 1 on resume
         self.t_first: float | None = None
 
     def step_done(self, step: int) -> None:
         """Host clock only; on a GPU it runs ahead of the device except on logged (synced) steps."""
-        if step == self.first_step:
-            self.t_first = time.perf_counter()
+        if self.first_step is None:
+            self.first_step, self.t_first = step, time.perf_counter()
 
     def elapsed(self) -> float:
+        """Seconds since the clock started."""
         return time.perf_counter() - self.t0
 
     def eta(self, step: int) -> float | None:
+        """Seconds to the last step after `step`; None before the first step finished."""
         now = time.perf_counter()
         if self.t_first is None:
             return None
@@ -150,15 +154,14 @@ class MetricsLogger:
     writes the same values to TensorBoard under <dump_folder>/<save_tb_folder>/<run> (rank 0 only)."""
 
     def __init__(self, metrics_cfg, dump_folder: str, rank: int, run_name: str | None = None, *,
-                 device: torch.device | None = None, flops_per_token: int = 0, total_steps: int = 0,
-                 start_step: int = 0):
+                 device: torch.device | None = None, flops_per_token: int = 0, total_steps: int = 0):
         self.rank = rank
         self.device = device or torch.device("cpu")
         self.flops_per_token = flops_per_token
         from titanlite.flops import peak_flops
         self.peak_flops = peak_flops(device_name(self.device), getattr(metrics_cfg, "peak_flops", 0.0))
-        self.throughput = Throughput()
-        self.timer = StepTimer(total_steps, start_step)
+        self.total_steps = total_steps
+        self.start()
         self.writer = None
         self.tb_dir = None
         if metrics_cfg.enable_tensorboard and rank == 0:
@@ -167,6 +170,11 @@ class MetricsLogger:
             self.tb_dir = os.path.join(dump_folder, metrics_cfg.save_tb_folder, run)
             self.writer = SummaryWriter(self.tb_dir)
             logger.info(f"TensorBoard: tensorboard --logdir {os.path.join(dump_folder, metrics_cfg.save_tb_folder)}")
+
+    def start(self) -> None:
+        """Start the clocks (elapsed, ETA, tokens/s): call when the training loop begins."""
+        self.throughput = Throughput()
+        self.timer = StepTimer(self.total_steps)
 
     def step_done(self, step: int, local_tokens: int) -> None:
         """Count a finished step's tokens on this rank (host-side only, no device access)."""
@@ -206,5 +214,6 @@ class MetricsLogger:
         return line
 
     def close(self) -> None:
+        """Flush and close TensorBoard."""
         if self.writer is not None:
             self.writer.close()

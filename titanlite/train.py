@@ -115,7 +115,7 @@ class Trainer:
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.env.rank, device=self.device,
                                      flops_per_token=flops_per_token(self.model_args, cfg.training.seq_len),
-                                     total_steps=cfg.training.steps, start_step=self.step)
+                                     total_steps=cfg.training.steps)
         self.losses: dict[int, float] = {}  # logged global loss per step
         self.val_losses: dict[int, float] = {}  # validation loss per step
 
@@ -169,6 +169,7 @@ class Trainer:
                     f"seq {cfg.training.seq_len}, {self.grad_accum} microbatch(es) of {cfg.training.local_batch_size}"
                     f" per rank, dp degree {self.dims.dp_degree}")
         profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.step).start()
+        self.metrics.start()
         while self.step < cfg.training.steps:
             self.step += 1
             microbatches = self.dataloader.next_step()
