@@ -32,6 +32,15 @@ def test_bad_values(argv, needle):
         load(argv)
 
 
+def test_missing_held_out_file_names_validation(tmp_path):
+    from titanlite.data import ByteTokenizer
+    from titanlite.validate import Validator
+    cfg = load(["--validation.enable", "--validation.dataset", str(tmp_path / "nope.txt"),
+                "--training.global_batch_size", "8"])
+    with pytest.raises(ConfigError, match=r"validation data .*nope.txt.*from validation.dataset.*no such file"):
+        Validator(cfg, ByteTokenizer(), dp_rank=0, dp_degree=1)
+
+
 def test_one_pass_over_a_held_out_file(tmp_path):
     from titanlite.data import ByteTokenizer
     from titanlite.models import model_args

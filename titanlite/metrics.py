@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from titanlite.flops import peak_flops
+
 logger = logging.getLogger("titanlite")
 
 GiB = 1024**3
@@ -158,7 +160,6 @@ class MetricsLogger:
         self.rank = rank
         self.device = device or torch.device("cpu")
         self.flops_per_token = flops_per_token
-        from titanlite.flops import peak_flops
         self.peak_flops = peak_flops(device_name(self.device), getattr(metrics_cfg, "peak_flops", 0.0))
         self.total_steps = total_steps
         self.start()

@@ -56,10 +56,14 @@ class Validator:
         self.cfg = cfg.validation
         dataset, split = held_out_source(cfg)
         t = cfg.training
-        self.loader = PackedDataLoader(
-            tokenizer, dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
-            local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, split=split,
-            text_field=t.dataset_text_field, config_name=t.dataset_config)
+        try:
+            self.loader = PackedDataLoader(
+                tokenizer, dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, split=split,
+                text_field=t.dataset_text_field, config_name=t.dataset_config)
+        except ConfigError as e:  # the loader's messages name training.*: say that this is the held-out data
+            raise ConfigError(f"validation data {dataset!r} (split {split!r}, from validation.dataset = "
+                              f"{self.cfg.dataset!r}): {e}") from e
         self._start = self.loader.state_dict()
 
     def due(self, step: int, last_step: int) -> bool:
