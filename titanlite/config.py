@@ -108,6 +108,25 @@ class Metrics:
     log_freq: int = _f(10, "print (and record) metrics every this many steps")
     enable_tensorboard: bool = _f(False, "write TensorBoard scalars under <dump_folder>/<save_tb_folder>")
     save_tb_folder: str = _f("tb", "TensorBoard folder under job.dump_folder")
+    peak_flops: float = _f(0.0, "peak FLOP/s of one device for MFU; 0 = look the GPU model up (n/a on CPU)")
+
+
+@dataclass
+class Validation:
+    enable: bool = _f(False, "evaluate loss and perplexity on held-out data every `freq` steps")
+    dataset: str = _f("", "held-out data: '' = training.dataset's held-out split; or a local file/folder, HF hub name")
+    dataset_split: str = _f("validation", "split of the held-out data (builtin: validation; HF hub: a split name)")
+    freq: int = _f(100, "validate every this many steps (and after the last step)")
+    steps: int = _f(10, "global batches per validation, the same ones each time; -1 = one pass over the data")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _f(False, "write a torch.profiler trace every `profile_freq` steps")
+    save_traces_folder: str = _f("profile_traces", "trace folder under job.dump_folder")
+    profile_freq: int = _f(10, "profile one step in every this many (traces and memory snapshots)")
+    enable_memory_snapshot: bool = _f(False, "dump a CUDA memory snapshot every `profile_freq` steps (GPU only)")
+    save_memory_snapshot_folder: str = _f("memory_snapshot", "memory snapshot folder under job.dump_folder")
 
 
 @dataclass
@@ -136,6 +155,8 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def to_dict(self) -> dict:
         """The configuration as nested plain dicts (TOML-shaped)."""
@@ -185,6 +206,10 @@ check("activation_checkpoint", "mode", "none, full or selective")(lambda v: v in
 check("activation_checkpoint", "selective_ac_option", "'op' or an integer >= 1 (checkpoint every k-th block)")(
     lambda v: v == "op" or (v.isdigit() and int(v) >= 1))
 check("compile", "backend", "inductor, aot_eager or eager")(lambda v: v in ("inductor", "aot_eager", "eager"))
+check("metrics", "peak_flops", "0 (look up) or a number > 0")(lambda v: v >= 0)
+check("validation", "freq", "a number > 0")(_positive)
+check("validation", "steps", "-1 (one pass) or a number > 0")(lambda v: v == -1 or v > 0)
+check("profiling", "profile_freq", "a number > 0")(_positive)
 
 
 def _sections() -> dict[str, type]:

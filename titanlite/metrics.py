@@ -1,13 +1,25 @@
-"""The step log line and TensorBoard scalars."""
+"""The step log line and TensorBoard scalars: loss, grad norm, lr, throughput, TFLOP/s, MFU, memory, ETA.
+
+Nothing here touches device tensors on steps that are not logged: `step_done` is host bookkeeping
+only, and `log` receives plain floats that the caller read (synced) on the logged step.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
+
+from titanlite.flops import peak_flops
 
 logger = logging.getLogger("titanlite")
+
+GiB = 1024**3
 
 
 def setup_logging() -> None:
@@ -18,52 +30,191 @@ def setup_logging() -> None:
 
 @dataclass
 class StepMetrics:
-    """What one logged step reports; every value is a plain float, already reduced over ranks."""
+    """What one logged step reports; every value is a plain number, already reduced over ranks where global."""
 
     step: int
-    loss: float
-    grad_norm: float
+    loss: float  # mean token loss over the global batch
+    grad_norm: float  # global gradient norm before clipping
     lr: float
-    tokens_per_sec: float  # per rank
+    tokens_per_sec: float  # per rank, since the previous logged step
+    tflops: float = 0.0  # achieved model TFLOP/s per rank
+    mfu: float | None = None  # percent of the device's peak; None when the peak is unknown
+    memory: dict[str, float] = field(default_factory=dict)  # GiB: max_allocated/max_reserved (GPU) or rss (CPU)
+    elapsed: float = 0.0  # seconds since training started
+    eta: float | None = None  # seconds to the last step
+
+    def scalars(self) -> dict[str, float]:
+        """The TensorBoard scalars of this step, by tag."""
+        out = {"loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr,
+               "tokens_per_sec": self.tokens_per_sec, "tflops": self.tflops}
+        if self.mfu is not None:
+            out["mfu_pct"] = self.mfu
+        out.update({f"memory/{k}_gib": v for k, v in self.memory.items()})
+        return out
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """GiB in use: the CUDA caching allocator's peaks since the last call (then reset), or the process RSS."""
+    if device.type == "cuda":
+        stats = {"max_allocated": torch.cuda.max_memory_allocated(device) / GiB,
+                 "max_reserved": torch.cuda.max_memory_reserved(device) / GiB}
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    return {"rss": _rss_bytes() / GiB}
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: the peak RSS (KiB on Linux, bytes on macOS)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if os.uname().sysname == "Darwin" else rss * 1024
+
+
+def device_name(device: torch.device) -> str | None:
+    """The accelerator's model name (as torch reports it), or None on the CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def format_duration(seconds: float | None) -> str:
+    """h:mm:ss, or n/a."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def format_step_line(m: StepMetrics) -> str:
+    """The compact step line; the README documents each figure."""
+    mfu = "n/a" if m.mfu is None else f"{m.mfu:.2f}%"
+    if "rss" in m.memory:
+        mem = f"rss: {m.memory['rss']:.2f}GiB"
+    else:
+        mem = f"mem: {m.memory.get('max_allocated', 0.0):.2f}/{m.memory.get('max_reserved', 0.0):.2f}GiB"
+    return (f"step: {m.step:5d}  loss: {m.loss:8.4f}  grad_norm: {m.grad_norm:7.4f}  lr: {m.lr:.3e}  "
+            f"tps: {m.tokens_per_sec:,.0f}  tflops: {m.tflops:.3g}  mfu: {mfu}  {mem}  "
+            f"elapsed: {format_duration(m.elapsed)}  eta: {format_duration(m.eta)}")
+
+
+class Throughput:
+    """Tokens per second per rank between two logged steps, minus time spent outside training."""
+
+    def __init__(self):
+        self.last_time = time.perf_counter()
+        self.tokens = 0
+        self.excluded = 0.0
+
+    def add(self, tokens: int) -> None:
+        """Tokens processed by this rank in one step."""
+        self.tokens += tokens
+
+    def exclude(self, seconds: float) -> None:
+        """Do not count these seconds (validation, checkpointing) as training time."""
+        self.excluded += seconds
+
+    def rate(self) -> float:
+        """Tokens per second since the previous call (or the start); restarts the interval."""
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.last_time - self.excluded, 1e-9)
+        self.last_time, self.tokens, self.excluded = now, 0, 0.0
+        return rate
+
+
+class StepTimer:
+    """Elapsed time since training started and the ETA from the mean step time, the first step excluded."""
+
+    def __init__(self, total_steps: int):
+        self.total_steps = total_steps
+        self.t0 = time.perf_counter()
+        self.first_step: int | None = None  # the first step this process ran (warm-up, compile); > 1 on resume
+        self.t_first: float | None = None
+
+    def step_done(self, step: int) -> None:
+        """Host clock only; on a GPU it runs ahead of the device except on logged (synced) steps."""
+        if self.first_step is None:
+            self.first_step, self.t_first = step, time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since the clock started."""
+        return time.perf_counter() - self.t0
+
+    def eta(self, step: int) -> float | None:
+        """Seconds to the last step after `step`; None before the first step finished."""
+        now = time.perf_counter()
+        if self.t_first is None:
+            return None
+        if step > self.first_step:
+            mean = (now - self.t_first) / (step - self.first_step)
+        else:
+            mean = now - self.t0
+        return mean * (self.total_steps - step)
 
 
 class MetricsLogger:
-    """Prints the step line and, when enabled, writes the same values to TensorBoard (rank 0 only)."""
+    """Prints the step line (every rank; torchrun's LOG_RANK filter picks what is shown) and, when enabled,
+    writes the same values to TensorBoard under <dump_folder>/<save_tb_folder>/<run> (rank 0 only)."""
 
-    def __init__(self, metrics_cfg, dump_folder: str, rank: int, run_name: str | None = None):
+    def __init__(self, metrics_cfg, dump_folder: str, rank: int, run_name: str | None = None, *,
+                 device: torch.device | None = None, flops_per_token: int = 0, total_steps: int = 0):
         self.rank = rank
+        self.device = device or torch.device("cpu")
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops(device_name(self.device), getattr(metrics_cfg, "peak_flops", 0.0))
+        self.total_steps = total_steps
+        self.start()
         self.writer = None
+        self.tb_dir = None
         if metrics_cfg.enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
             run = run_name or time.strftime("%Y%m%d-%H%M%S")
             self.tb_dir = os.path.join(dump_folder, metrics_cfg.save_tb_folder, run)
             self.writer = SummaryWriter(self.tb_dir)
+            logger.info(f"TensorBoard: tensorboard --logdir {os.path.join(dump_folder, metrics_cfg.save_tb_folder)}")
 
-    def log(self, m: StepMetrics) -> None:
-        logger.info(f"step: {m.step:5d}  loss: {m.loss:8.4f}  grad_norm: {m.grad_norm:8.4f}  "
-                    f"lr: {m.lr:.3e}  tps: {m.tokens_per_sec:,.0f}")
+    def start(self) -> None:
+        """Start the clocks (elapsed, ETA, tokens/s): call when the training loop begins."""
+        self.throughput = Throughput()
+        self.timer = StepTimer(self.total_steps)
+
+    def step_done(self, step: int, local_tokens: int) -> None:
+        """Count a finished step's tokens on this rank (host-side only, no device access)."""
+        self.throughput.add(local_tokens)
+        self.timer.step_done(step)
+
+    def exclude_time(self, seconds: float) -> None:
+        """Time spent on something other than training (validation): not in tokens/s."""
+        self.throughput.exclude(seconds)
+
+    def collect(self, step: int, loss: float, grad_norm: float, lr: float) -> StepMetrics:
+        """Everything the step line shows; call after the values were read from the device (synced)."""
+        tps = self.throughput.rate()
+        tflops = tps * self.flops_per_token / 1e12
+        mfu = 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None
+        return StepMetrics(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens_per_sec=tps, tflops=tflops,
+                           mfu=mfu, memory=memory_stats(self.device), elapsed=self.timer.elapsed(),
+                           eta=self.timer.eta(step))
+
+    def log(self, m: StepMetrics) -> str:
+        """Print the step line and write the TensorBoard scalars; returns the line."""
+        line = format_step_line(m)
+        logger.info(line)
         if self.writer is not None:
-            for key, value in (("loss", m.loss), ("grad_norm", m.grad_norm), ("lr", m.lr),
-                               ("tokens_per_sec", m.tokens_per_sec)):
-                self.writer.add_scalar(key, value, m.step)
+            for tag, value in m.scalars().items():
+                self.writer.add_scalar(tag, value, m.step)
+        return line
+
+    def log_validation(self, step: int, loss: float, perplexity: float, tokens: int, seconds: float) -> str:
+        """Print the validation line and write validation/loss and validation/perplexity."""
+        line = (f"validation at step {step}: loss: {loss:8.4f}  perplexity: {perplexity:.3f}  "
+                f"({tokens:,} tokens, {seconds:.1f}s)")
+        logger.info(line)
+        if self.writer is not None:
+            self.writer.add_scalar("validation/loss", loss, step)
+            self.writer.add_scalar("validation/perplexity", perplexity, step)
+        return line
 
     def close(self) -> None:
+        """Flush and close TensorBoard."""
         if self.writer is not None:
             self.writer.close()
-
-
-class Throughput:
-    """Tokens per second per rank between two logged steps."""
-
-    def __init__(self):
-        self.last_time = time.perf_counter()
-        self.tokens = 0
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
-
-    def rate(self) -> float:
-        now = time.perf_counter()
-        rate = self.tokens / max(now - self.last_time, 1e-9)
-        self.last_time, self.tokens = now, 0
-        return rate

@@ -15,13 +15,17 @@ from titanlite import config as config_mod
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import PackedDataLoader, build_tokenizer
 from titanlite.distributed import init_distributed, pick_device, set_seed, shutdown, world_size_from_env
-from titanlite.metrics import MetricsLogger, StepMetrics, Throughput, setup_logging
+from titanlite.flops import flops_per_token
+from titanlite.metrics import MetricsLogger, setup_logging
 from titanlite.models import model_args
 from titanlite.models.llama import LlamaArgs, Transformer
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
 from titanlite.parallelize import (apply_ac, apply_compile, apply_fsdp, compile_problem, describe,
                                    describe_ac_compile, microbatch_sync)
+from titanlite.profiling import Profiler
+from titanlite.summary import startup_lines
+from titanlite.validate import build_validator
 
 logger = logging.getLogger("titanlite")
 
@@ -75,6 +79,7 @@ class RunPlan:
     tokenizer: object
     model_args: LlamaArgs
     dataloader: PackedDataLoader
+    validator: object  # titanlite.validate.Validator, or None when validation is off
 
 
 def validate_for_world(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str | None = "cpu") -> RunPlan:
@@ -98,8 +103,9 @@ def validate_for_world(cfg: JobConfig, world_size: int, rank: int = 0, device_ty
         tokenizer, t.dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
         local_batch_size=t.local_batch_size, dp_rank=rank, dp_degree=dims.dp_degree, split=t.dataset_split,
         text_field=t.dataset_text_field, config_name=t.dataset_config)
+    validator = build_validator(cfg, tokenizer, rank, dims.dp_degree)
     return RunPlan(dims=dims, grad_accum=accumulation_steps(cfg, dims.dp_degree), tokenizer=tokenizer,
-                   model_args=args, dataloader=dataloader)
+                   model_args=args, dataloader=dataloader, validator=validator)
 
 
 @dataclass
@@ -136,6 +142,7 @@ class Trainer:
                                   device_type=pick_device(int(os.environ.get("LOCAL_RANK", "0"))).type)
         self.dims, self.grad_accum, self.tokenizer = plan.dims, plan.grad_accum, plan.tokenizer
         self.model_args, self.dataloader = plan.model_args, plan.dataloader
+        self.validator = plan.validator
 
         self.env = init_distributed()
         set_seed(cfg.training.seed, cfg.training.deterministic)
@@ -146,7 +153,8 @@ class Trainer:
         self.model, self.num_sharded = built.model, built.num_sharded
         self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
         self.model.init_weights(cfg.training.seed)
-        for line in describe(self.num_sharded, self.mesh, self.dims):
+        for line in describe(self.num_sharded, self.mesh, self.dims) + startup_lines(
+                self.model, self.model_args, self.dims, cfg):
             logger.info(line)
         logger.info(describe_ac_compile(cfg.activation_checkpoint, built.ac_blocks, built.compiled,
                                         self.model_args.n_layers))
@@ -158,8 +166,11 @@ class Trainer:
         self.tokens_seen = 0
         # Step at which the loss first went non-finite (-1: never), kept on the device: no sync per step.
         self._first_bad_step = torch.tensor(-1, device=self.device)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.env.rank)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.env.rank, device=self.device,
+                                     flops_per_token=flops_per_token(self.model_args, cfg.training.seq_len),
+                                     total_steps=cfg.training.steps)
         self.losses: dict[int, float] = {}  # logged global loss per step
+        self.val_losses: dict[int, float] = {}  # validation loss per step
 
     def _delay_all_reduce_enabled(self) -> bool:
         if not self.cfg.parallelism.hsdp_delay_all_reduce:
@@ -174,7 +185,10 @@ class Trainer:
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
         """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule."""
-        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches).to(self.device)
+        microbatches = [(inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
+                        for inputs, labels in microbatches]
+        # Counted on the device: a blocking host-to-device copy would be a host sync every step.
+        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         global_tokens = local_tokens.clone()
         dist.all_reduce(global_tokens)
         # FSDP averages gradients over the dp ranks; scaling by dp_degree makes the gradient that of
@@ -182,8 +196,6 @@ class Trainer:
         scale = self.dims.dp_degree / global_tokens.clamp(min=1)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(microbatches):
-            inputs = inputs.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
             with microbatch_sync(self.model, i == len(microbatches) - 1, self.delay_all_reduce):
                 logits = self.model(inputs)
                 token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
@@ -206,10 +218,11 @@ class Trainer:
     def train(self) -> dict[int, float]:
         """Train to training.steps; returns the logged loss per step."""
         cfg = self.cfg
-        throughput = Throughput()
         logger.info(f"Training {cfg.training.steps} steps: global batch {cfg.training.global_batch_size} x "
                     f"seq {cfg.training.seq_len}, {self.grad_accum} microbatch(es) of {cfg.training.local_batch_size}"
                     f" per rank, dp degree {self.dims.dp_degree}")
+        profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.step).start()
+        self.metrics.start()
         while self.step < cfg.training.steps:
             self.step += 1
             microbatches = self.dataloader.next_step()
@@ -217,22 +230,34 @@ class Trainer:
             out = self.train_step(microbatches)
             local_tokens = sum(inp.numel() for inp, _ in microbatches)
             self.tokens_seen += local_tokens * self.dims.dp_degree
-            throughput.add(local_tokens)
+            self.metrics.step_done(self.step, local_tokens)
             self._track_non_finite(out)
+            # Only logged steps read device values (host syncs) and all-reduce the loss.
             if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                 self.check_finite()
                 loss = self.global_loss(out)
                 self.losses[self.step] = loss
-                self.metrics.log(StepMetrics(step=self.step, loss=loss, grad_norm=out.grad_norm.item(), lr=lr,
-                                             tokens_per_sec=throughput.rate()))
+                self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr))
+            if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
+                self.validate()
+            profiler.step(self.step)
+        profiler.stop()
         self.check_finite()
         self.metrics.close()
         return self.losses
 
+    def validate(self) -> float:
+        """Loss on the held-out data (the same sequences every time); logged and written to TensorBoard."""
+        r = self.validator.evaluate(self.model, self.device)
+        self.val_losses[self.step] = r.loss
+        self.metrics.log_validation(self.step, r.loss, r.perplexity, r.tokens, r.seconds)
+        self.metrics.exclude_time(r.seconds)
+        return r.loss
+
     def _track_non_finite(self, out: StepOutput) -> None:
         bad = ~torch.isfinite(out.loss_sum) | ~torch.isfinite(out.grad_norm)
-        self._first_bad_step = torch.where(bad & (self._first_bad_step < 0),
-                                           torch.tensor(self.step, device=self.device), self._first_bad_step)
+        # A Python scalar, not torch.tensor(step, device=...): creating a device tensor from host data syncs.
+        self._first_bad_step.masked_fill_(bad & (self._first_bad_step < 0), self.step)
 
     def check_finite(self) -> None:
         """Raise NonFiniteLossError naming the first step whose loss or gradient norm was not finite."""

@@ -1,0 +1,72 @@
+"""Model FLOPs per token (from the shape alone) and the peak FLOP/s of known accelerators. No torch.
+
+Convention (TorchTitan's, with one stated difference for tied embeddings):
+
+    flops_per_token = 6 * N + 12 * n_layers * n_heads * head_dim * seq_len
+
+N counts every parameter except the token-embedding table (a lookup, not a matmul); the output
+projection is counted, also when it shares its weight with the embedding (TorchTitan subtracts the
+shared table then, missing the output matmul). 6 = 2 (multiply-add) x 3 (forward + backward
+needing twice the forward). The second term is the attention score and value matmuls (QK^T and
+PV: 2 matmuls x 2 FLOPs x 3 passes = 12), counted over the full seq_len as if not causal.
+"""
+
+from __future__ import annotations
+
+from titanlite.models.llama_args import LlamaArgs
+
+
+def param_counts(args: LlamaArgs) -> dict[str, int]:
+    """Parameter counts of a Llama 3 model: total (a tied weight once), embedding, non_embedding."""
+    d, kv_dim = args.dim, args.kv_heads * args.head_dim
+    attention = d * args.n_heads * args.head_dim * 2 + d * kv_dim * 2  # wq, wo; wk, wv
+    ffn = 3 * d * args.ffn_hidden_dim  # w1, w2, w3
+    per_layer = attention + ffn + 2 * d  # + attention_norm, ffn_norm
+    embedding = args.vocab_size * d
+    output = args.vocab_size * d
+    non_embedding = args.n_layers * per_layer + d + output  # + final norm
+    total = embedding + non_embedding - (output if args.tie_embeddings else 0)
+    return {"total": total, "embedding": embedding, "non_embedding": non_embedding}
+
+
+def flops_per_token(args: LlamaArgs, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token at this sequence length; see the module doc."""
+    n = param_counts(args)["non_embedding"]
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+# Dense bf16 tensor-core peak FLOP/s per device (vendor data sheets, no sparsity). Matched in order
+# against the device name as torch.cuda.get_device_name() reports it, so the specific names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2.5e15),
+    ("GH200", 989e12),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("MI355X", 2.5e15),
+    ("MI325X", 1307e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 191.5e12),  # per GCD: each shows as one device
+)
+
+
+def peak_flops(device_name: str | None, override: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: the override when > 0, else from the table by name; None if unknown."""
+    if override > 0:
+        return override
+    if not device_name:
+        return None
+    for key, value in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return value
+    return None
