@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlite import config as config_mod
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import ConfigError, JobConfig, gradient_sync_mode
 from titanlite.data import PackedDataLoader, build_tokenizer
 from titanlite.distributed import init_distributed, set_seed, shutdown, world_size_from_env
 from titanlite.metrics import MetricsLogger, StepMetrics, Throughput, setup_logging
@@ -20,7 +20,7 @@ from titanlite.models import model_args
 from titanlite.models.llama import Transformer
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
-from titanlite.parallelize import apply_fsdp, describe, microbatch_sync
+from titanlite.parallelize import apply_fsdp, describe, gradient_sync_plan, microbatch_sync
 
 logger = logging.getLogger("titanlite")
 
@@ -99,7 +99,10 @@ class Trainer:
         self.model.init_weights(cfg.training.seed)
         for line in describe(self.num_sharded, self.mesh, self.dims):
             logger.info(line)
-        self.delay_all_reduce = self._delay_all_reduce_enabled()
+        self.gradient_sync, sync_line = gradient_sync_plan(gradient_sync_mode(cfg.parallelism), self.dims,
+                                                           self.grad_accum)
+        if sync_line:
+            logger.info(sync_line)
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -109,17 +112,6 @@ class Trainer:
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.env.rank)
         self.losses: dict[int, float] = {}  # logged global loss per step
-
-    def _delay_all_reduce_enabled(self) -> bool:
-        if not self.cfg.parallelism.hsdp_delay_all_reduce:
-            return False
-        if self.dims.dp_replicate > 1 and self.grad_accum > 1:
-            logger.info(f"Delayed all-reduce: replicate all-reduce on the last of {self.grad_accum} microbatches")
-            return True
-        logger.info("parallelism.hsdp_delay_all_reduce has no effect: it needs data_parallel_replicate_degree > 1 "
-                    f"and more than one microbatch (have replicate {self.dims.dp_replicate}, "
-                    f"{self.grad_accum} microbatch(es))")
-        return False
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
         """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule."""
@@ -133,7 +125,7 @@ class Trainer:
         for i, (inputs, labels) in enumerate(microbatches):
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            with microbatch_sync(self.model, i == len(microbatches) - 1, self.delay_all_reduce):
+            with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
                 logits = self.model(inputs)
                 token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                  reduction="sum", ignore_index=IGNORE_INDEX)
