@@ -155,11 +155,11 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
 
 
-def machine_line(device: str, world_sizes) -> str:
+def machine_line(device: str) -> str:
     """Date, device, cores and load: what a reader needs to judge the numbers."""
     if device == "cuda":
         what = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, NCCL"
     else:
-        what = f"CPU, {os.cpu_count()} cores, gloo, {max(1, (os.cpu_count() or 1) // max(world_sizes))}+ thread(s) per rank"
+        what = f"CPU, {os.cpu_count()} cores, gloo, max(1, cores / world) threads per rank"
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return f"{time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  {what}  load average {load}"

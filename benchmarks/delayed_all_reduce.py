@@ -120,7 +120,7 @@ def main(argv=None) -> None:
         if w % opts.replicate:
             p.error(f"--worlds {w} is not a multiple of --replicate {opts.replicate}")
     device = common.device_type(opts.device, max(opts.worlds))
-    print(common.machine_line(device, opts.worlds))
+    print(common.machine_line(device))
     print(f"model: {opts.layers} layers, hidden {opts.hidden}, intermediate {opts.intermediate}, "
           f"seq {opts.seq_len}; {opts.accumulation} microbatches of {opts.batch} or {opts.batch * opts.ratio} sequences")
     for w in opts.worlds:

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     opts = p.parse_args(argv)
     device = common.device_type(opts.device, max(w for _, w, _ in LAYOUTS))
-    print(common.machine_line(device, [4]))
+    print(common.machine_line(device))
     results = {}
     for world in dict.fromkeys(w for _, w, _ in LAYOUTS):  # one process group per world size
         replicates = [r for _, w, r in LAYOUTS if w == world]

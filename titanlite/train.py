@@ -187,11 +187,12 @@ class Trainer:
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """The global gradient norm over all ranks (a plain tensor); clips to max_norm when it is > 0."""
     params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    # One all-reduce: clip_grad_norm_ would reduce the partial norm once to clip and again for full_tensor().
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
 
 
 def main(argv: list[str] | None = None) -> int:
