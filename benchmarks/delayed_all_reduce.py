@@ -8,7 +8,8 @@ microbatches. Inhomogeneous: replica group 0 gets batch sizes (b, r*b, b, ...) a
 (r*b, b, r*b, ...), so on each microbatch one replica waits for the other unless the all-reduce is
 delayed; homogeneous: every rank gets (b, r*b, b, ...). The modes run interleaved (rotated order) and
 repeated; the tables give the slowest rank's step time and tokens/s per rank, median (min-max) over
-the repetitions, and the ratio of medians against plain HSDP.
+the repetitions, and the speedup against plain HSDP: the median over repetitions of the ratio of
+step times measured back to back (robust to load that comes and goes).
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ def _run_world(opts, device_type: str) -> dict | None:
     return dict(results=results, shard=shard, device=str(device), dtype=dtype) if rank == 0 else None
 
 
+def speedup(base: list[float] | None, times: list[float]) -> str:
+    """Median over repetitions of base time / this mode's time (the runs of a repetition are back to back)."""
+    if not base:
+        return "-"
+    return f"x{common.summary([b / t for b, t in zip(base, times)])[0]:.2f}"
+
+
 def report(world: int, opts, res: dict) -> str:
     """The tables of one world size."""
     out = []
@@ -87,14 +95,14 @@ def report(world: int, opts, res: dict) -> str:
         groups = "  ".join(f"replica {g}: {','.join(map(str, s))}" for g, s in r["sizes"].items())
         out.append(f"\nworld {W} (replicate {R} x shard {S}), {kind} microbatches [{groups}] x {opts.seq_len} "
                    f"tokens; {opts.reps} reps x {opts.steps} steps, {res['device']}, {res['dtype']}")
-        base = common.summary(r["times"]["hsdp"])[0] if "hsdp" in r["times"] else None
+        base = r["times"].get("hsdp")
         rows = []
         for m, times in r["times"].items():
             med, lo, hi = common.summary(times)
             tps = [r["tokens_per_rank"] / t for t in times]
             t_med, t_lo, t_hi = common.summary(tps)
             rows.append([MODES[m][0].format(R=R, S=S, W=W), f"{med * 1e3:.1f}", f"{lo * 1e3:.1f}-{hi * 1e3:.1f}",
-                         f"{t_med:,.0f}", f"{t_lo:,.0f}-{t_hi:,.0f}", f"x{base / med:.2f}" if base else "-"])
+                         f"{t_med:,.0f}", f"{t_lo:,.0f}-{t_hi:,.0f}", speedup(base, times)])
         out.append(common.format_table(
             ["mode", "step ms", "(min-max)", "tokens/s/rank", "(min-max)", "vs HSDP"], rows))
         if kind == "inhomogeneous":
@@ -112,8 +120,8 @@ def main(argv=None) -> None:
     p.add_argument("--ratio", type=int, default=2, help="a big microbatch has ratio x --batch sequences")
     p.add_argument("--modes", nargs="+", default=["hsdp", "hsdp_delay", "fsdp"], choices=list(MODES))
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    p.add_argument("--reps", type=int, default=5, help="repetitions of each mode (interleaved)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per repetition")
+    p.add_argument("--reps", type=int, default=8, help="repetitions of each mode (interleaved)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
     opts = p.parse_args(argv)
     for w in opts.worlds:
