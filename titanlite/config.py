@@ -32,6 +32,7 @@ def _f(default, doc: str, **kw):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+GRADIENT_SYNC = ("every_microbatch", "delay_all_reduce", "last_microbatch_only")
 
 
 @dataclass
@@ -93,7 +94,12 @@ class Parallelism:
     fsdp_reshard_after_forward: str = _f(
         "default", "free gathered params after forward: default, always, never, or an int (reshard group size)")
     hsdp_delay_all_reduce: bool = _f(
-        False, "HSDP with accumulation: all-reduce across replicas only on the last microbatch")
+        False, "HSDP with accumulation: all-reduce across replicas only on the last microbatch "
+        "(shorthand for gradient_sync = delay_all_reduce)")
+    gradient_sync: str = _f(
+        "every_microbatch", "gradient reduction with accumulation: every_microbatch; delay_all_reduce (replicas "
+        "all-reduce on the last microbatch only; reduce-scatter on each); last_microbatch_only (no reduction "
+        "before the last microbatch; holds unsharded gradients, model size x reduce dtype, per rank)")
 
 
 @dataclass
@@ -200,6 +206,7 @@ check("parallelism", "data_parallel_shard_degree", "-1 or a number >= 1")(lambda
 check("parallelism", "data_parallel_replicate_degree", "a number >= 1")(lambda v: v >= 1)
 check("parallelism", "fsdp_reshard_after_forward", "default, always, never, or an integer >= 1")(
     lambda v: v in ("default", "always", "never") or (v.isdigit() and int(v) >= 1))
+check("parallelism", "gradient_sync", ", ".join(GRADIENT_SYNC))(lambda v: v in GRADIENT_SYNC)
 check("model", "name", "llama3")(lambda v: v == "llama3")
 check("model", "vocab_size", "0 or a number > 0")(lambda v: v >= 0)
 check("activation_checkpoint", "mode", "none, full or selective")(lambda v: v in ("none", "full", "selective"))
@@ -210,6 +217,18 @@ check("metrics", "peak_flops", "0 (look up) or a number > 0")(lambda v: v >= 0)
 check("validation", "freq", "a number > 0")(_positive)
 check("validation", "steps", "-1 (one pass) or a number > 0")(lambda v: v == -1 or v > 0)
 check("profiling", "profile_freq", "a number > 0")(_positive)
+
+
+def gradient_sync_mode(parallelism: Parallelism) -> str:
+    """The gradient_sync in effect: hsdp_delay_all_reduce = true means delay_all_reduce."""
+    if not parallelism.hsdp_delay_all_reduce:
+        return parallelism.gradient_sync
+    if parallelism.gradient_sync not in ("every_microbatch", "delay_all_reduce"):
+        raise ConfigError(
+            f"parallelism.hsdp_delay_all_reduce = true contradicts parallelism.gradient_sync = "
+            f"{parallelism.gradient_sync!r}; set only one of them (hsdp_delay_all_reduce = true is "
+            f"gradient_sync = 'delay_all_reduce')")
+    return "delay_all_reduce"
 
 
 def _sections() -> dict[str, type]:
@@ -334,6 +353,7 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if not pred(value):
             raise ConfigError(f"{section}.{key} = {value!r} is not valid; expected {valid}")
+    gradient_sync_mode(cfg.parallelism)
     from titanlite.models import flavors  # torch-free
     known = flavors(cfg.model.name)
     if cfg.model.flavor not in known:

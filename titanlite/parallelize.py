@@ -72,20 +72,49 @@ def describe(num_groups: int, mesh: DeviceMesh, dims) -> list[str]:
             f"{tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}"]
 
 
-@contextmanager
-def microbatch_sync(model: nn.Module, is_last: bool, delay_all_reduce: bool):
-    """Gradient synchronisation for one microbatch of an accumulated step.
+# The FSDPModule setter that each gradient_sync mode turns off before the last microbatch.
+_SYNC_SETTERS = {"delay_all_reduce": "set_requires_all_reduce", "last_microbatch_only": "set_requires_gradient_sync"}
 
-    With delay_all_reduce (HSDP only), the replicate-group all-reduce runs only on the last
-    microbatch; the reduce-scatter inside the shard group still runs on every microbatch.
+
+def gradient_sync_plan(mode: str, dims, grad_accum: int) -> tuple[str, str | None]:
+    """The gradient_sync mode that applies to this mesh and accumulation, and the log line saying so.
+
+    delay_all_reduce needs replicas (data_parallel_replicate_degree > 1) and more than one
+    microbatch; last_microbatch_only needs more than one microbatch (it works for FSDP too).
+    Otherwise the mode falls back to every_microbatch, with a line that says why.
     """
-    if delay_all_reduce and isinstance(model, FSDPModule):
-        model.set_requires_all_reduce(is_last)  # recurses into every FSDP module
+    if mode == "delay_all_reduce":
+        if dims.dp_replicate > 1 and grad_accum > 1:
+            return mode, f"Delayed all-reduce: replicate all-reduce on the last of {grad_accum} microbatches"
+        return "every_microbatch", (
+            "parallelism.gradient_sync = delay_all_reduce (hsdp_delay_all_reduce) has no effect: it needs "
+            f"data_parallel_replicate_degree > 1 and more than one microbatch (have replicate {dims.dp_replicate}, "
+            f"{grad_accum} microbatch(es))")
+    if mode == "last_microbatch_only":
+        if grad_accum > 1:
+            return mode, (f"Gradient sync on the last of {grad_accum} microbatches only: unsharded gradients "
+                          "are held on every rank in between (ZeRO-2-like memory)")
+        return "every_microbatch", "parallelism.gradient_sync = last_microbatch_only has no effect with one microbatch"
+    return mode, None
+
+
+@contextmanager
+def microbatch_sync(model: nn.Module, is_last: bool, mode: str):
+    """Gradient synchronisation for one microbatch of an accumulated step, by gradient_sync mode.
+
+    every_microbatch: FSDP's default (reduce-scatter, and across replicas all-reduce, on each
+    microbatch). delay_all_reduce: the replicate-group all-reduce runs only on the last
+    microbatch; the reduce-scatter inside the shard group still runs on every one.
+    last_microbatch_only: no reduction at all before the last microbatch.
+    """
+    setter = _SYNC_SETTERS.get(mode) if isinstance(model, FSDPModule) else None
+    if setter:
+        getattr(model, setter)(is_last)  # recurses into every FSDP module
     try:
         yield
     finally:
-        if delay_all_reduce and isinstance(model, FSDPModule):
-            model.set_requires_all_reduce(True)
+        if setter:
+            getattr(model, setter)(True)
 
 
 # Selective "op" checkpointing keeps these outputs and recomputes everything else (norms, RoPE,

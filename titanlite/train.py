@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlite import config as config_mod
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import ConfigError, JobConfig, gradient_sync_mode
 from titanlite.data import PackedDataLoader, build_tokenizer
 from titanlite.distributed import init_distributed, pick_device, set_seed, shutdown, world_size_from_env
 from titanlite.flops import flops_per_token
@@ -22,7 +22,7 @@ from titanlite.models.llama import LlamaArgs, Transformer
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
 from titanlite.parallelize import (apply_ac, apply_compile, apply_fsdp, compile_problem, describe,
-                                   describe_ac_compile, microbatch_sync)
+                                   describe_ac_compile, gradient_sync_plan, microbatch_sync)
 from titanlite.profiling import Profiler
 from titanlite.summary import startup_lines
 from titanlite.validate import build_validator
@@ -158,7 +158,10 @@ class Trainer:
             logger.info(line)
         logger.info(describe_ac_compile(cfg.activation_checkpoint, built.ac_blocks, built.compiled,
                                         self.model_args.n_layers))
-        self.delay_all_reduce = self._delay_all_reduce_enabled()
+        self.gradient_sync, sync_line = gradient_sync_plan(gradient_sync_mode(cfg.parallelism), self.dims,
+                                                           self.grad_accum)
+        if sync_line:
+            logger.info(sync_line)
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -171,17 +174,6 @@ class Trainer:
                                      total_steps=cfg.training.steps)
         self.losses: dict[int, float] = {}  # logged global loss per step
         self.val_losses: dict[int, float] = {}  # validation loss per step
-
-    def _delay_all_reduce_enabled(self) -> bool:
-        if not self.cfg.parallelism.hsdp_delay_all_reduce:
-            return False
-        if self.dims.dp_replicate > 1 and self.grad_accum > 1:
-            logger.info(f"Delayed all-reduce: replicate all-reduce on the last of {self.grad_accum} microbatches")
-            return True
-        logger.info("parallelism.hsdp_delay_all_reduce has no effect: it needs data_parallel_replicate_degree > 1 "
-                    f"and more than one microbatch (have replicate {self.dims.dp_replicate}, "
-                    f"{self.grad_accum} microbatch(es))")
-        return False
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
         """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule."""
@@ -196,7 +188,7 @@ class Trainer:
         scale = self.dims.dp_degree / global_tokens.clamp(min=1)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(microbatches):
-            with microbatch_sync(self.model, i == len(microbatches) - 1, self.delay_all_reduce):
+            with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
                 logits = self.model(inputs)
                 token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                  reduction="sum", ignore_index=IGNORE_INDEX)
@@ -271,11 +263,12 @@ class Trainer:
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """The global gradient norm over all ranks (a plain tensor); clips to max_norm when it is > 0."""
     params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    # One all-reduce: clip_grad_norm_ would reduce the partial norm once to clip and again for full_tensor().
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
 
 
 def main(argv: list[str] | None = None) -> int:

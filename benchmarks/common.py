@@ -1,0 +1,165 @@
+"""Shared by the benchmark scripts: spawn ranks, build titanlite Trainers of a given shape, time, print tables.
+
+The same code runs on CPU with gloo and on GPUs with NCCL (one GPU per rank): titanlite picks the
+device, the benchmarks only synchronise it before reading the clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BENCH_FLAVOR = "bench"
+
+
+def add_common_args(p: argparse.ArgumentParser, *, layers: int, hidden: int, intermediate: int, seq_len: int) -> None:
+    """Model shape and device arguments shared by the benchmarks."""
+    p.add_argument("--layers", type=int, default=layers, help="transformer blocks")
+    p.add_argument("--hidden", type=int, default=hidden, help="model dim")
+    p.add_argument("--intermediate", type=int, default=intermediate, help="feed-forward hidden size")
+    p.add_argument("--head-dim", type=int, default=64, help="attention head size (heads = hidden / head-dim)")
+    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: one GPU per rank when there are enough, else CPU with gloo")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="parameter dtype in compute; auto: float32 on CPU, bfloat16 on GPU")
+
+
+def device_type(requested: str, world_size: int) -> str:
+    """'cuda' or 'cpu' for a run of world_size ranks; NCCL needs one GPU per rank."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cuda" and gpus < world_size:
+        raise SystemExit(f"--device cuda: world size {world_size} needs {world_size} GPUs, {gpus} visible")
+    if requested == "auto":
+        return "cuda" if gpus >= world_size else "cpu"
+    return requested
+
+
+def param_dtype(requested: str, device: str) -> str:
+    """The training.mixed_precision_param value for --dtype."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, device: str, fn, args, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TITANLITE_DEVICE=device, HF_HUB_OFFLINE="1")
+    if device == "cpu":  # share the cores; more threads than cores only adds contention
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        result = fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def spawn(fn, world_size: int, device: str, *args) -> list:
+    """fn(*args) on world_size fresh processes (env as torchrun sets it); each rank's return value."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world_size, _free_port(), device, fn, args, out_dir), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def register_shape(layers: int, hidden: int, intermediate: int, head_dim: int, seq_len: int) -> str:
+    """Add a llama3 flavor with exactly this shape (FFN hidden size = intermediate); returns its name."""
+    from titanlite.models.llama_args import LLAMA3_FLAVORS, LlamaArgs
+
+    if hidden % head_dim:
+        raise SystemExit(f"--hidden {hidden} must be a multiple of --head-dim {head_dim}")
+    # ffn_hidden_dim rounds int(multiplier * 8 * dim / 3) up to a multiple of multiple_of; with
+    # multiple_of = intermediate and this multiplier the result is intermediate itself.
+    args = LlamaArgs(dim=hidden, n_layers=layers, n_heads=hidden // head_dim, multiple_of=intermediate,
+                     ffn_dim_multiplier=intermediate / int(8 * hidden / 3), max_seq_len=seq_len)
+    assert args.ffn_hidden_dim == intermediate, (args.ffn_hidden_dim, intermediate)
+    LLAMA3_FLAVORS[BENCH_FLAVOR] = args
+    return BENCH_FLAVOR
+
+
+def build_trainer(opts, dump_folder: str, *, local_batch_size: int, accumulation: int, replicate: int,
+                  gradient_sync: str = "every_microbatch", dtype: str = "float32"):
+    """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallelize."""
+    from titanlite.config import load
+    from titanlite.train import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    flavor = register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
+    argv = ["--model.flavor", flavor, "--training.seq_len", str(opts.seq_len),
+            "--training.local_batch_size", str(local_batch_size),
+            "--training.global_batch_size", str(local_batch_size * accumulation * world),
+            "--training.steps", "1000000", "--training.mixed_precision_param", dtype,
+            "--parallelism.data_parallel_replicate_degree", str(replicate),
+            "--parallelism.gradient_sync", gradient_sync,
+            "--optimizer.lr", "1e-5", "--lr_scheduler.warmup_steps", "0",
+            "--metrics.log_freq", "1000000", "--job.dump_folder", dump_folder]
+    return Trainer(load(argv))
+
+
+def random_microbatches(sizes: list[int], seq_len: int, vocab_size: int, seed: int) -> list[tuple]:
+    """Random (inputs, labels) microbatches of the given batch sizes."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in sizes:
+        tokens = torch.randint(0, vocab_size, (b, seq_len + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step, steps: int, device: torch.device) -> float:
+    """Seconds per call of step() over `steps` calls, the slowest rank's (all ranks call it together)."""
+    dist.barrier()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # on the CPU: gloo serves it on GPU machines too
+    return elapsed.item() / steps
+
+
+def summary(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """A plain fixed-width table (first column left-aligned, the others right-aligned)."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+
+    def line(r):
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def machine_line(device: str) -> str:
+    """Date, device, cores and load: what a reader needs to judge the numbers."""
+    if device == "cuda":
+        what = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, NCCL"
+    else:
+        what = f"CPU, {os.cpu_count()} cores, gloo, max(1, cores / world) threads per rank"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  {what}  load average {load}"
