@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlite import config as config_mod
+from titanlite.checkpoint import CheckpointManager, preflight
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import PackedDataLoader, build_tokenizer
 from titanlite.distributed import init_distributed, set_seed, shutdown, world_size_from_env
@@ -72,6 +73,7 @@ class Trainer:
         self.cfg = cfg
         # Everything a user can get wrong is checked before the process group starts.
         self.dims = resolve(cfg, world_size_from_env())
+        preflight(cfg)
         self.grad_accum = accumulation_steps(cfg, self.dims.dp_degree)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
@@ -109,6 +111,10 @@ class Trainer:
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.env.rank)
         self.losses: dict[int, float] = {}  # logged global loss per step
+        self.checkpointer = CheckpointManager(
+            cfg, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, train_state=self, device=self.device)
+        self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
 
     def _delay_all_reduce_enabled(self) -> bool:
         if not self.cfg.parallelism.hsdp_delay_all_reduce:
@@ -174,6 +180,9 @@ class Trainer:
                 self.losses[self.step] = loss
                 self.metrics.log(StepMetrics(step=self.step, loss=loss, grad_norm=out.grad_norm.item(), lr=lr,
                                              tokens_per_sec=throughput.rate()))
+            if self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps):
+                break  # preempted: every rank saved this step; exit 0 so the job can be requeued
+        self.checkpointer.close()
         self.check_finite()
         self.metrics.close()
         return self.losses
