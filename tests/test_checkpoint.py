@@ -210,3 +210,84 @@ def test_async_save_equals_sync_and_export_import(tmp_path):
     msg = loads["mismatch"]
     assert msg.startswith("ConfigError") and "'tok_embeddings.weight'" in msg
     assert "(258, 64)" in msg and "(300, 64)" in msg
+
+
+# ----------------------------------------------------------------------------- retention, crash safety, bad input
+
+
+def _log_records():
+    """Collect the titanlite log messages of this process."""
+    import logging
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    log = logging.getLogger("titanlite")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return messages
+
+
+def _save_model_only_last(tmp):
+    _trainer(ckpt_argv(tmp, "--training.steps", "4", "--training.local_batch_size", "4", "--checkpoint.interval", "1",
+                       "--checkpoint.keep_latest_k", "1", "--checkpoint.last_save_model_only",
+                       "--checkpoint.export_dtype", "bfloat16")).train()
+
+
+def _resume_past_bad_folders(tmp):
+    logs = _log_records()
+    base = ckpt_argv(tmp, "--training.local_batch_size", "4", "--checkpoint.interval", "1",
+                     "--checkpoint.keep_latest_k", "1")
+    t = _trainer(base)
+    out = {"resumed_step": t.step, "logs": list(logs)}
+    out["losses"] = t.train()
+    trained = _full_model(t)
+    t = _trainer(base + ["--checkpoint.load_step", "6", "--checkpoint.exclude_from_loading",
+                         "optimizer,lr_scheduler,dataloader,train_state"])
+    out["excluded_step"] = t.step
+    out["excluded_position"] = t.dataloader.state_dict()["sequence_index"]
+    out["excluded_model_equal"] = all(torch.equal(v, trained[k]) for k, v in _full_model(t).items())
+    return out
+
+
+def test_retention_crash_leftovers_and_bad_input(tmp_path):
+    from titanlite.checkpoint import preflight, read_info
+    from titanlite.config import ConfigError, load
+
+    run_distributed(_save_model_only_last, 2, str(tmp_path))
+    folder = tmp_path / "checkpoint"
+    # keep_latest_k = 1 keeps the newest (the model-only save of the last step) and the newest full one
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
+    assert read_info(folder / "step-4").parts == {"model"}
+    assert read_info(folder / "step-3").parts == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    assert all(v.dtype == torch.bfloat16 for v in _load_everything(folder / "step-4")["model"].values())
+
+    # what a crash leaves behind: an unfinished save, a partial copy, a folder with a broken .metadata
+    shutil.copytree(folder / "step-3", folder / ".tmp-step-5")
+    shutil.copytree(folder / "step-3", folder / "step-6", ignore=shutil.ignore_patterns(".metadata"))
+    (folder / "step-7").mkdir()
+    (folder / "step-7" / ".metadata").write_bytes(b"not a pickle")
+
+    def error(*extra):
+        with pytest.raises(ConfigError) as e:
+            preflight(load(ckpt_argv(tmp_path, *extra)))
+        return str(e.value)
+    msg = error("--checkpoint.load_step", "9")
+    assert "no step-9" in msg and "complete checkpoints there: 3, 4" in msg
+    assert "no .metadata" in error("--checkpoint.load_step", "6")
+    assert "cannot be read" in error("--checkpoint.load_step", "7")
+    assert "holds only ['model']" in error("--checkpoint.load_step", "4")
+    (tmp_path / "a_file").write_text("")
+    msg = error("--job.dump_folder", str(tmp_path / "a_file" / "out"))
+    assert "checkpoint.folder" in msg and "cannot write" in msg
+    assert "initial_load_path" in error("--checkpoint.initial_load_path", str(tmp_path / "missing.pt"))
+
+    r = run_distributed(_resume_past_bad_folders, 2, str(tmp_path))[0]
+    logs = "\n".join(r["logs"])
+    assert "Removing incomplete checkpoint" in logs and ".tmp-step-5" in logs
+    assert "step-7: its .metadata cannot be read" in logs and "step-6: it has no .metadata" in logs
+    assert "step-4 for resuming: it holds only ['model']" in logs
+    assert r["resumed_step"] == 3 and sorted(r["losses"]) == [4, 5, 6]
+    # the newest complete checkpoint survives keep_latest_k = 1; the unreadable step-7 is left alone
+    assert sorted(p.name for p in folder.iterdir()) == ["step-6", "step-7"]
+    # exclude_from_loading: only the model comes back; step, data position and schedule start fresh
+    assert r["excluded_step"] == 0 and r["excluded_position"] == 0 and r["excluded_model_equal"]

@@ -94,10 +94,20 @@ def read_info(path: Path, step: int = -1) -> CheckpointInfo:
     return CheckpointInfo(step, path, frozenset(k.split(".", 1)[0] for k in metadata.state_dict_metadata))
 
 
+def complete_checkpoints(folder: Path) -> list[CheckpointInfo]:
+    """Every complete, readable checkpoint in the folder, oldest first."""
+    out = []
+    for step, path in sorted(step_folders(folder).items()):
+        try:
+            out.append(read_info(path, step))
+        except ValueError:
+            pass
+    return out
+
+
 def describe_steps(folder: Path) -> str:
     """'2, 4, 6' or 'none', for error messages listing the complete checkpoints."""
-    steps = [s for s, p in sorted(step_folders(folder).items()) if (p / ".metadata").is_file()]
-    return ", ".join(map(str, steps)) or "none"
+    return ", ".join(str(i.step) for i in complete_checkpoints(folder)) or "none"
 
 
 def require_step(folder: Path, step: int, wanted: set[str]) -> CheckpointInfo:
@@ -385,21 +395,17 @@ class CheckpointManager:
     def _purge(self) -> None:
         """Keep the newest keep_latest_k complete checkpoints, and always the newest full one."""
         k = self.cfg.keep_latest_k
-        complete = [(s, p) for s, p in sorted(step_folders(self.folder).items()) if (p / ".metadata").is_file()]
+        complete = complete_checkpoints(self.folder)  # unreadable or partial folders are never counted or removed
         if k <= 0 or len(complete) <= k:
             return
-        keep = {s for s, _ in complete[-k:]}
-        for s, p in reversed(complete):  # the newest checkpoint a resume can use survives model-only saves
-            try:
-                if set(PARTS) <= read_info(p, s).parts:
-                    keep.add(s)
-                    break
-            except ValueError:
-                continue
-        for s, p in complete:
-            if s not in keep:
-                shutil.rmtree(p, ignore_errors=True)
-                logger.info(f"Removed old checkpoint {p} (checkpoint.keep_latest_k = {k})")
+        keep = {i.step for i in complete[-k:]}
+        full = [i.step for i in complete if set(PARTS) <= i.parts]
+        if full:  # the newest checkpoint a resume can use survives model-only saves
+            keep.add(full[-1])
+        for info in complete:
+            if info.step not in keep:
+                shutil.rmtree(info.path, ignore_errors=True)
+                logger.info(f"Removed old checkpoint {info.path} (checkpoint.keep_latest_k = {k})")
 
     def _remove_temporaries(self) -> None:
         """Delete saves that never completed (a crash or kill during a save); rank 0, before any save."""
