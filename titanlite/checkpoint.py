@@ -389,7 +389,7 @@ class CheckpointManager:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(self.folder)
-        logger.info(f"Saved checkpoint {final} in {time.perf_counter() - t0:.2f} s")
+        logger.info(f"Saved checkpoint {final} ({time.perf_counter() - t0:.2f} s after the save began)")
         self._purge()
 
     def _purge(self) -> None:
