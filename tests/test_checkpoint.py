@@ -233,12 +233,15 @@ def _save_model_only_last(tmp):
                        "--checkpoint.export_dtype", "bfloat16")).train()
 
 
-def _resume_past_bad_folders(tmp):
+def _resume_past_bad_folders(tmp, bf16_model):
     logs = _log_records()
     base = ckpt_argv(tmp, "--training.local_batch_size", "4", "--checkpoint.interval", "1",
                      "--checkpoint.keep_latest_k", "1")
+    # a new run from the bf16 model-only save (a DCP folder) gets its weights, upcast
+    t = _trainer(base + ["--checkpoint.folder", "fresh", "--checkpoint.initial_load_path", f"{tmp}/checkpoint/step-4"])
+    bf16_loaded = all(torch.equal(v, bf16_model[k].float()) for k, v in _full_model(t).items())
     t = _trainer(base)
-    out = {"resumed_step": t.step, "logs": list(logs)}
+    out = {"resumed_step": t.step, "logs": list(logs), "bf16_loaded": bf16_loaded}
     out["losses"] = t.train()
     trained = _full_model(t)
     t = _trainer(base + ["--checkpoint.load_step", "6", "--checkpoint.exclude_from_loading",
@@ -259,7 +262,8 @@ def test_retention_crash_leftovers_and_bad_input(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
     assert read_info(folder / "step-4").parts == {"model"}
     assert read_info(folder / "step-3").parts == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
-    assert all(v.dtype == torch.bfloat16 for v in _load_everything(folder / "step-4")["model"].values())
+    bf16_model = _load_everything(folder / "step-4")["model"]
+    assert all(v.dtype == torch.bfloat16 for v in bf16_model.values())
 
     # what a crash leaves behind: an unfinished save, a partial copy, a folder with a broken .metadata
     shutil.copytree(folder / "step-3", folder / ".tmp-step-5")
@@ -281,7 +285,8 @@ def test_retention_crash_leftovers_and_bad_input(tmp_path):
     assert "checkpoint.folder" in msg and "cannot write" in msg
     assert "initial_load_path" in error("--checkpoint.initial_load_path", str(tmp_path / "missing.pt"))
 
-    r = run_distributed(_resume_past_bad_folders, 2, str(tmp_path))[0]
+    r = run_distributed(_resume_past_bad_folders, 2, str(tmp_path), bf16_model)[0]
+    assert r["bf16_loaded"]
     logs = "\n".join(r["logs"])
     assert "Removing incomplete checkpoint" in logs and ".tmp-step-5" in logs
     assert "step-7: its .metadata cannot be read" in logs and "step-6: it has no .metadata" in logs

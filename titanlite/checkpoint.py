@@ -171,7 +171,8 @@ class CheckpointManager:
     """Saves and restores the model, optimizer, LR schedule, data position and train state.
 
     `train_state` is any object with int attributes `step` and `tokens_seen` (the Trainer). When
-    checkpointing is enabled, SIGTERM and SIGUSR1 request a save-and-stop at the end of the step.
+    checkpointing is enabled, after `load()` SIGTERM and SIGUSR1 request a save-and-stop at the end of
+    the step (`maybe_save` returns True); `close()` restores the previous handlers.
     """
 
     def __init__(self, cfg: JobConfig, *, model, optimizer, lr_scheduler, dataloader, train_state,
@@ -395,8 +396,10 @@ class CheckpointManager:
     def _purge(self) -> None:
         """Keep the newest keep_latest_k complete checkpoints, and always the newest full one."""
         k = self.cfg.keep_latest_k
+        if k <= 0:
+            return
         complete = complete_checkpoints(self.folder)  # unreadable or partial folders are never counted or removed
-        if k <= 0 or len(complete) <= k:
+        if len(complete) <= k:
             return
         keep = {i.step for i in complete[-k:]}
         full = [i.step for i in complete if set(PARTS) <= i.parts]
