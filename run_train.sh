@@ -53,6 +53,13 @@ TITANLITE_QUIET_CHECK=1 python -m titanlite.config --world-size $((NGPU * NNODES
     --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"}
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torchrun forwards these to the workers; SIGUSR1 (a scheduler's "preempting soon") makes them save and exit.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}  # torchrun --signals-to-handle
+if [[ "$MAX_RESTARTS" -gt 0 ]]; then
+    # With torchrun's rendezvous store shared with the workers, a restarted worker can read the previous
+    # attempt's addresses and fail to connect (pytorch#135712, #167288); give each attempt its own store.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
 exec torchrun --nnodes="$NNODES" --nproc_per_node="$NGPU" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" \
     --max-restarts="$MAX_RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \

@@ -107,6 +107,15 @@ class Checkpoint:
     enable: bool = _f(False, "save sharded checkpoints and resume from the newest one")
     folder: str = _f("checkpoint", "checkpoint folder under job.dump_folder")
     interval: int = _f(500, "save every this many steps (and at the last step)")
+    keep_latest_k: int = _f(0, "keep only the newest k complete checkpoints; 0 keeps all (the newest is never deleted)")
+    load_step: int = _f(-1, "step to resume from; -1 = the newest complete checkpoint, if any")
+    exclude_from_loading: list[str] = _f(
+        [], "parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader, train_state")
+    async_mode: str = _f("disabled", "disabled (a save blocks) or async (written in a background thread while training goes on)")
+    last_save_model_only: bool = _f(False, "at the last step save only the model, in export_dtype (for export)")
+    export_dtype: str = _f("float32", "dtype of the model-only last save: float32, bfloat16, float16")
+    initial_load_path: str = _f(
+        "", "model weights to start a new run from: a DCP folder (step-N) or a consolidated file; unused when resuming")
 
 
 @dataclass
@@ -208,6 +217,13 @@ check("parallelism", "fsdp_reshard_after_forward", "default, always, never, or a
     lambda v: v in ("default", "always", "never") or (v.isdigit() and int(v) >= 1))
 check("parallelism", "gradient_sync", ", ".join(GRADIENT_SYNC))(lambda v: v in GRADIENT_SYNC)
 check("model", "name", "llama3")(lambda v: v == "llama3")
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+check("checkpoint", "keep_latest_k", "a number >= 0 (0 keeps all)")(lambda v: v >= 0)
+check("checkpoint", "load_step", "-1 (newest) or a step >= 0")(lambda v: v >= -1)
+check("checkpoint", "exclude_from_loading", "a list of " + ", ".join(CHECKPOINT_PARTS))(
+    lambda v: set(v) <= set(CHECKPOINT_PARTS))
+check("checkpoint", "async_mode", "disabled or async")(lambda v: v in ("disabled", "async"))
+check("checkpoint", "export_dtype", " or ".join(DTYPES))(lambda v: v in DTYPES)
 check("model", "vocab_size", "0 or a number > 0")(lambda v: v >= 0)
 check("activation_checkpoint", "mode", "none, full or selective")(lambda v: v in ("none", "full", "selective"))
 check("activation_checkpoint", "selective_ac_option", "'op' or an integer >= 1 (checkpoint every k-th block)")(

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlite import config as config_mod
+from titanlite.checkpoint import CheckpointManager, preflight
 from titanlite.config import ConfigError, JobConfig, gradient_sync_mode
 from titanlite.data import PackedDataLoader, build_tokenizer
 from titanlite.distributed import init_distributed, pick_device, set_seed, shutdown, world_size_from_env
@@ -89,6 +90,8 @@ def validate_for_world(cfg: JobConfig, world_size: int, rank: int = 0, device_ty
     checks of this machine's software (a compiler for torch.compile).
     """
     dims = resolve(cfg, world_size)
+    if device_type is not None:  # the dry run may run elsewhere: the job's folders are not its to create
+        preflight(cfg)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
     ac = cfg.activation_checkpoint
@@ -174,6 +177,10 @@ class Trainer:
                                      total_steps=cfg.training.steps)
         self.losses: dict[int, float] = {}  # logged global loss per step
         self.val_losses: dict[int, float] = {}  # validation loss per step
+        self.checkpointer = CheckpointManager(
+            cfg, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, train_state=self, device=self.device)
+        self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
         """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule."""
@@ -215,27 +222,33 @@ class Trainer:
                     f" per rank, dp degree {self.dims.dp_degree}")
         profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.step).start()
         self.metrics.start()
-        while self.step < cfg.training.steps:
-            self.step += 1
-            microbatches = self.dataloader.next_step()
-            lr = self.lr_scheduler.get_last_lr()[0]
-            out = self.train_step(microbatches)
-            local_tokens = sum(inp.numel() for inp, _ in microbatches)
-            self.tokens_seen += local_tokens * self.dims.dp_degree
-            self.metrics.step_done(self.step, local_tokens)
-            self._track_non_finite(out)
-            # Only logged steps read device values (host syncs) and all-reduce the loss.
-            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-                self.check_finite()
-                loss = self.global_loss(out)
-                self.losses[self.step] = loss
-                self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr))
-            if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
-                self.validate()
-            profiler.step(self.step)
-        profiler.stop()
-        self.check_finite()
-        self.metrics.close()
+        try:
+            while self.step < cfg.training.steps:
+                self.step += 1
+                microbatches = self.dataloader.next_step()
+                lr = self.lr_scheduler.get_last_lr()[0]
+                out = self.train_step(microbatches)
+                local_tokens = sum(inp.numel() for inp, _ in microbatches)
+                self.tokens_seen += local_tokens * self.dims.dp_degree
+                self.metrics.step_done(self.step, local_tokens)
+                self._track_non_finite(out)
+                # Only logged steps read device values (host syncs) and all-reduce the loss.
+                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                    self.check_finite()
+                    loss = self.global_loss(out)
+                    self.losses[self.step] = loss
+                    self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr))
+                if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
+                    self.validate()
+                profiler.step(self.step)
+                if self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps,
+                                                before_save=self.check_finite):
+                    break  # preempted: every rank saved this step; exit 0 so the job can be requeued
+            profiler.stop()
+            self.check_finite()
+        finally:
+            self.checkpointer.close()  # waits for an async save and restores the signal handlers
+            self.metrics.close()
         return self.losses
 
     def validate(self) -> float:
