@@ -5,7 +5,8 @@
 
 titanlite: `Trainer.train_step` (global token count, per-token-sum loss, gradient sync policy,
 clipping, AdamW, lr schedule), with the model built and sharded from a config. Bare: the same
-Transformer class and init, `fully_shard` on each block and the root, mean cross-entropy, backward,
+Transformer class and init, `fully_shard` by hand on the same units (token embedding, each block,
+norm + output, then the root), mean cross-entropy, backward,
 `clip_grad_norm_`, AdamW, nothing else. Both run the same microbatches, interleaved and repeated;
 the table gives the slowest rank's step time, median (min-max), and titanlite / bare as the median
 of the ratios of back-to-back repetitions (robust to load that comes and goes) and as the ratio of
@@ -34,9 +35,12 @@ def bare_fsdp_step(model_args, mesh, device, dtype: str, lr: float, seed: int):
     with torch.device("meta"):
         model = Transformer(model_args)
     mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    # The same units as titanlite shards (TorchTitan's plan), written out by hand.
+    fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp_policy)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
     model.to_empty(device=device)
     model.init_weights(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)

@@ -189,10 +189,9 @@ class Trainer:
         # Counted on the device: a blocking host-to-device copy would be a host sync every step.
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         global_tokens = local_tokens.clone()
-        dist.all_reduce(global_tokens)
-        # FSDP averages gradients over the dp ranks; scaling by dp_degree makes the gradient that of
-        # (sum of token losses over the global batch) / (valid tokens in the global batch).
-        scale = self.dims.dp_degree / global_tokens.clamp(min=1)
+        # The count is needed only at the first backward: let its all-reduce overlap the first forward.
+        pending = dist.all_reduce(global_tokens, async_op=True)
+        scale = None
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(microbatches):
             with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
@@ -200,6 +199,11 @@ class Trainer:
                 token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                  reduction="sum", ignore_index=IGNORE_INDEX)
                 del logits
+                if scale is None:
+                    pending.wait()
+                    # FSDP averages gradients over the dp ranks; scaling by dp_degree makes the gradient
+                    # that of (sum of token losses over the global batch) / (valid tokens in it).
+                    scale = self.dims.dp_degree / global_tokens.clamp(min=1)
                 (token_loss_sum * scale).backward()
             loss_sum += token_loss_sum.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
