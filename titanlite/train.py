@@ -221,6 +221,9 @@ class Trainer:
     def train(self) -> dict[int, float]:
         """Train to training.steps; returns the logged loss per step."""
         cfg = self.cfg
+        if self.step >= cfg.training.steps:
+            logger.info(f"Already at step {self.step} of training.steps = {cfg.training.steps}: nothing to train "
+                        f"(raise training.steps to go on, or use a new job.dump_folder to start over)")
         logger.info(f"Training {cfg.training.steps} steps: global batch {cfg.training.global_batch_size} x "
                     f"seq {cfg.training.seq_len}, {self.grad_accum} microbatch(es) of {cfg.training.local_batch_size}"
                     f" per rank, dp degree {self.dims.dp_degree}")
