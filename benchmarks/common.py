@@ -64,6 +64,8 @@ def _worker(rank: int, world_size: int, port: int, device: str, fn, args, out_di
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         result = fn(*args)
+        if dist.is_initialized():
+            dist.barrier()  # leave together: a rank tearing down its groups while a peer still talks aborts gloo
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

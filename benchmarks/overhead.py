@@ -68,7 +68,10 @@ def _run(opts, device_type: str) -> dict | None:
                           dtype, trainer.cfg.optimizer.lr, trainer.cfg.training.seed)
     microbatches = common.random_microbatches([opts.batch] * opts.accumulation, opts.seq_len,
                                               trainer.model_args.vocab_size, seed=rank)
-    steps = {"titanlite": lambda: trainer.train_step(microbatches), "bare FSDP2 loop": lambda: bare(microbatches)}
+    # As in Trainer.train: packed batches have every label valid, so the loader knows the global count.
+    global_tokens = opts.batch * opts.accumulation * opts.seq_len * trainer.dims.dp_degree
+    steps = {"titanlite": lambda: trainer.train_step(microbatches, global_tokens),
+             "bare FSDP2 loop": lambda: bare(microbatches)}
     for fn in steps.values():
         for _ in range(opts.warmup):
             fn()

@@ -20,10 +20,12 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, out_dir: st
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TITANLITE_DEVICE="cpu")
     torch.set_num_threads(1)
+    import torch.distributed as dist
     try:
         result = fn(*args, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()  # leave together (see titanlite.train.main)
     finally:
-        import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

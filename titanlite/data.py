@@ -410,6 +410,14 @@ class PackedDataLoader:
         mine = sequences[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(self.local_batch_size)]
 
+    @property
+    def global_valid_tokens(self) -> int:
+        """Labels that count in the loss over one whole global batch (every rank, every microbatch).
+
+        Every label of a packed window is a real next token, so this is known without communication.
+        """
+        return self.global_batch_size * self.seq_len
+
     def state_dict(self) -> dict[str, int]:
         """Return the global stream position (the same on every rank), as plain ints.
 

@@ -52,9 +52,15 @@ def init_distributed() -> Env:
     return Env(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
 
 
-def shutdown() -> None:
-    """Leave the process group if one exists."""
+def shutdown(wait_for_peers: bool = False) -> None:
+    """Leave the process group if one exists; after a clean run, first wait until every rank is done.
+
+    Waiting matters with gloo: a rank that tears its groups down while a peer still exchanges data
+    with it can abort the peer.
+    """
     if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(args.prompt + completion, flush=True)
-    shutdown()
+    shutdown(wait_for_peers=True)
     return 0
 
 

@@ -42,7 +42,7 @@ class StepOutput:
     """Device tensors of one optimizer step; reading them (.item()) syncs with the device."""
 
     loss_sum: torch.Tensor  # sum of token losses on this rank
-    global_tokens: torch.Tensor  # valid tokens in the whole global batch
+    global_tokens: torch.Tensor | int  # valid tokens in the whole global batch
     grad_norm: torch.Tensor  # global gradient norm before clipping
 
 
@@ -182,16 +182,25 @@ class Trainer:
             dataloader=self.dataloader, train_state=self, device=self.device)
         self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
-        """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule."""
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+                   global_tokens: int | None = None) -> StepOutput:
+        """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule.
+
+        global_tokens: the valid labels in the whole global batch when the caller knows them (the data
+        loader does); None counts them with one all-reduce.
+        """
         microbatches = [(inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
                         for inputs, labels in microbatches]
-        # Counted on the device: a blocking host-to-device copy would be a host sync every step.
-        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
-        global_tokens = local_tokens.clone()
-        # The count is needed only at the first backward: let its all-reduce overlap the first forward.
-        pending = dist.all_reduce(global_tokens, async_op=True)
-        scale = None
+        if global_tokens is None:
+            # Counted on the device: a blocking host-to-device copy would be a host sync every step.
+            count = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
+            dist.all_reduce(count)
+            global_tokens = count.clamp(min=1)
+        else:
+            global_tokens = max(global_tokens, 1)
+        # FSDP averages gradients over the dp ranks; scaling by dp_degree makes the gradient that of
+        # (sum of token losses over the global batch) / (valid tokens in the global batch).
+        scale = self.dims.dp_degree / global_tokens
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(microbatches):
             with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
@@ -199,11 +208,6 @@ class Trainer:
                 token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                  reduction="sum", ignore_index=IGNORE_INDEX)
                 del logits
-                if scale is None:
-                    pending.wait()
-                    # FSDP averages gradients over the dp ranks; scaling by dp_degree makes the gradient
-                    # that of (sum of token losses over the global batch) / (valid tokens in it).
-                    scale = self.dims.dp_degree / global_tokens.clamp(min=1)
                 (token_loss_sum * scale).backward()
             loss_sum += token_loss_sum.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
@@ -216,7 +220,7 @@ class Trainer:
         """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
         total = out.loss_sum.clone()
         dist.all_reduce(total)
-        return (total / out.global_tokens.clamp(min=1)).item()
+        return (total / out.global_tokens).item()
 
     def train(self) -> dict[int, float]:
         """Train to training.steps; returns the logged loss per step."""
@@ -234,7 +238,7 @@ class Trainer:
                 self.step += 1
                 microbatches = self.dataloader.next_step()
                 lr = self.lr_scheduler.get_last_lr()[0]
-                out = self.train_step(microbatches)
+                out = self.train_step(microbatches, self.dataloader.global_valid_tokens)
                 local_tokens = sum(inp.numel() for inp, _ in microbatches)
                 self.tokens_seen += local_tokens * self.dims.dp_degree
                 self.metrics.step_done(self.step, local_tokens)
@@ -307,9 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     except NonFiniteLossError as e:
         logger.error(str(e))
-        return 1
-    finally:
         shutdown()
+        return 1
+    except BaseException:
+        shutdown()
+        raise
+    shutdown(wait_for_peers=True)
     return 0
 
 
