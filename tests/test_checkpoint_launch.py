@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _argv(tmp, *extra):
     return tiny_argv(tmp, "--training.steps", "6", "--training.global_batch_size", "8",
-                     "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "2", *extra)
+                     "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+                     "--checkpoint.keep_latest_k", "0", *extra)  # keep all: the test lists every save
 
 
 def _torchrun(args, **popen_kw):
