@@ -32,7 +32,6 @@ def local_bytes(t) -> int:
 
 
 def _measure(opts, replicate: int) -> dict:
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
