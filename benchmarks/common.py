@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -16,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from titanlite.distributed import free_port
 
 BENCH_FLAVOR = "bench"
 
@@ -27,10 +28,18 @@ def add_common_args(p: argparse.ArgumentParser, *, layers: int, hidden: int, int
     p.add_argument("--intermediate", type=int, default=intermediate, help="feed-forward hidden size")
     p.add_argument("--head-dim", type=int, default=64, help="attention head size (heads = hidden / head-dim)")
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: one GPU per rank when there are enough, else CPU with gloo")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="parameter dtype in compute; auto: float32 on CPU, bfloat16 on GPU")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: one GPU per rank when there are enough, else CPU with gloo",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="parameter dtype in compute; auto: float32 on CPU, bfloat16 on GPU",
+    )
 
 
 def device_type(requested: str, world_size: int) -> str:
@@ -50,16 +59,17 @@ def param_dtype(requested: str, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, device: str, fn, args, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TITANLITE_DEVICE=device, HF_HUB_OFFLINE="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TITANLITE_DEVICE=device,
+        HF_HUB_OFFLINE="1",
+    )
     if device == "cpu":  # share the cores; more threads than cores only adds contention
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
@@ -75,7 +85,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, fn, args, out_di
 def spawn(fn, world_size: int, device: str, *args) -> list:
     """fn(*args) on world_size fresh processes (env as torchrun sets it); each rank's return value."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, _free_port(), device, fn, args, out_dir), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(world_size, free_port(), device, fn, args, out_dir), nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
@@ -87,29 +97,61 @@ def register_shape(layers: int, hidden: int, intermediate: int, head_dim: int, s
         raise SystemExit(f"--hidden {hidden} must be a multiple of --head-dim {head_dim}")
     # ffn_hidden_dim rounds int(multiplier * 8 * dim / 3) up to a multiple of multiple_of; with
     # multiple_of = intermediate and this multiplier the result is intermediate itself.
-    args = LlamaArgs(dim=hidden, n_layers=layers, n_heads=hidden // head_dim, multiple_of=intermediate,
-                     ffn_dim_multiplier=intermediate / int(8 * hidden / 3), max_seq_len=seq_len)
+    args = LlamaArgs(
+        dim=hidden,
+        n_layers=layers,
+        n_heads=hidden // head_dim,
+        multiple_of=intermediate,
+        ffn_dim_multiplier=intermediate / int(8 * hidden / 3),
+        max_seq_len=seq_len,
+    )
     assert args.ffn_hidden_dim == intermediate, (args.ffn_hidden_dim, intermediate)
     LLAMA3_FLAVORS[BENCH_FLAVOR] = args
     return BENCH_FLAVOR
 
 
-def build_trainer(opts, dump_folder: str, *, local_batch_size: int, accumulation: int, replicate: int,
-                  gradient_sync: str = "every_microbatch", dtype: str = "float32"):
+def build_trainer(
+    opts,
+    dump_folder: str,
+    *,
+    local_batch_size: int,
+    accumulation: int,
+    replicate: int,
+    gradient_sync: str = "every_microbatch",
+    dtype: str = "float32",
+):
     """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallelize."""
     from titanlite.config import load
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
     flavor = register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
-    argv = ["--model.flavor", flavor, "--training.seq_len", str(opts.seq_len),
-            "--training.local_batch_size", str(local_batch_size),
-            "--training.global_batch_size", str(local_batch_size * accumulation * world),
-            "--training.steps", "1000000", "--training.mixed_precision_param", dtype,
-            "--parallelism.data_parallel_replicate_degree", str(replicate),
-            "--parallelism.gradient_sync", gradient_sync,
-            "--optimizer.lr", "1e-5", "--lr_scheduler.warmup_steps", "0",
-            "--metrics.log_freq", "1000000", "--job.dump_folder", dump_folder]
+    argv = [
+        "--model.flavor",
+        flavor,
+        "--training.seq_len",
+        str(opts.seq_len),
+        "--training.local_batch_size",
+        str(local_batch_size),
+        "--training.global_batch_size",
+        str(local_batch_size * accumulation * world),
+        "--training.steps",
+        "1000000",
+        "--training.mixed_precision_param",
+        dtype,
+        "--parallelism.data_parallel_replicate_degree",
+        str(replicate),
+        "--parallelism.gradient_sync",
+        gradient_sync,
+        "--optimizer.lr",
+        "1e-5",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--metrics.log_freq",
+        "1000000",
+        "--job.dump_folder",
+        dump_folder,
+    ]
     return Trainer(load(argv))
 
 

@@ -53,10 +53,18 @@ def _run_world(opts, device_type: str) -> dict | None:
     shard = world // opts.replicate
     dtype = common.param_dtype(opts.dtype, device_type)
     with tempfile.TemporaryDirectory() as dump:
-        trainers = {m: common.build_trainer(opts, dump, local_batch_size=1, accumulation=opts.accumulation,
-                                            replicate=opts.replicate if MODES[m][1] else 1,
-                                            gradient_sync=MODES[m][2], dtype=dtype)
-                    for m in opts.modes}
+        trainers = {
+            m: common.build_trainer(
+                opts,
+                dump,
+                local_batch_size=1,
+                accumulation=opts.accumulation,
+                replicate=opts.replicate if MODES[m][1] else 1,
+                gradient_sync=MODES[m][2],
+                dtype=dtype,
+            )
+            for m in opts.modes
+        }
     any_trainer = next(iter(trainers.values()))
     device, vocab = any_trainer.device, any_trainer.model_args.vocab_size
     results = {}
@@ -68,15 +76,18 @@ def _run_world(opts, device_type: str) -> dict | None:
                 t.train_step(microbatches)
         times = {m: [] for m in opts.modes}
         for rep in range(opts.reps):
-            order = opts.modes[rep % len(opts.modes):] + opts.modes[:rep % len(opts.modes)]
+            order = opts.modes[rep % len(opts.modes) :] + opts.modes[: rep % len(opts.modes)]
             for m in order:
-                times[m].append(common.time_steps(lambda t=trainers[m]: t.train_step(microbatches), opts.steps, device))
+                step = lambda t=trainers[m], mbs=microbatches: t.train_step(mbs)
+                times[m].append(common.time_steps(step, opts.steps, device))
         tokens = [sum(sizes) * opts.seq_len]
         all_tokens = [None] * world
         dist.all_gather_object(all_tokens, tokens[0])
-        results[kind] = dict(times=times, tokens_per_rank=sum(all_tokens) / world,
-                             sizes={g: batch_sizes(kind, g, opts.accumulation, opts.batch, opts.ratio)
-                                    for g in range(opts.replicate)})
+        results[kind] = dict(
+            times=times,
+            tokens_per_rank=sum(all_tokens) / world,
+            sizes={g: batch_sizes(kind, g, opts.accumulation, opts.batch, opts.ratio) for g in range(opts.replicate)},
+        )
     return dict(results=results, shard=shard, device=str(device), dtype=dtype) if rank == 0 else None
 
 
@@ -93,27 +104,39 @@ def report(world: int, opts, res: dict) -> str:
     R, S, W = opts.replicate, res["shard"], world
     for kind, r in res["results"].items():
         groups = "  ".join(f"replica {g}: {','.join(map(str, s))}" for g, s in r["sizes"].items())
-        out.append(f"\nworld {W} (replicate {R} x shard {S}), {kind} microbatches [{groups}] x {opts.seq_len} "
-                   f"tokens; {opts.reps} reps x {opts.steps} steps, {res['device']}, {res['dtype']}")
+        out.append(
+            f"\nworld {W} (replicate {R} x shard {S}), {kind} microbatches [{groups}] x {opts.seq_len} "
+            f"tokens; {opts.reps} reps x {opts.steps} steps, {res['device']}, {res['dtype']}"
+        )
         base = r["times"].get("hsdp")
         rows = []
         for m, times in r["times"].items():
             med, lo, hi = common.summary(times)
             tps = [r["tokens_per_rank"] / t for t in times]
             t_med, t_lo, t_hi = common.summary(tps)
-            rows.append([MODES[m][0].format(R=R, S=S, W=W), f"{med * 1e3:.1f}", f"{lo * 1e3:.1f}-{hi * 1e3:.1f}",
-                         f"{t_med:,.0f}", f"{t_lo:,.0f}-{t_hi:,.0f}", speedup(base, times)])
-        out.append(common.format_table(
-            ["mode", "step ms", "(min-max)", "tokens/s/rank", "(min-max)", "vs HSDP"], rows))
+            rows.append(
+                [
+                    MODES[m][0].format(R=R, S=S, W=W),
+                    f"{med * 1e3:.1f}",
+                    f"{lo * 1e3:.1f}-{hi * 1e3:.1f}",
+                    f"{t_med:,.0f}",
+                    f"{t_lo:,.0f}-{t_hi:,.0f}",
+                    speedup(base, times),
+                ]
+            )
+        out.append(common.format_table(["mode", "step ms", "(min-max)", "tokens/s/rank", "(min-max)", "vs HSDP"], rows))
         if kind == "inhomogeneous":
-            out.append(f"compute-bound limit of the delayed all-reduce: x{bound(opts.accumulation, opts.batch, opts.ratio):.2f}")
+            limit = bound(opts.accumulation, opts.batch, opts.ratio)
+            out.append(f"compute-bound limit of the delayed all-reduce: x{limit:.2f}")
     return "\n".join(out)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(p, layers=2, hidden=256, intermediate=768, seq_len=128)
-    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes to run (each a multiple of --replicate)")
+    p.add_argument(
+        "--worlds", type=int, nargs="+", default=[2, 4], help="world sizes to run (each a multiple of --replicate)"
+    )
     p.add_argument("--replicate", type=int, default=2, help="replica groups of the HSDP modes")
     p.add_argument("--accumulation", type=int, default=2, help="microbatches per step")
     p.add_argument("--batch", type=int, default=1, help="sequences in a small microbatch")
@@ -129,8 +152,10 @@ def main(argv=None) -> None:
             p.error(f"--worlds {w} is not a multiple of --replicate {opts.replicate}")
     device = common.device_type(opts.device, max(opts.worlds))
     print(common.machine_line(device))
-    print(f"model: {opts.layers} layers, hidden {opts.hidden}, intermediate {opts.intermediate}, "
-          f"seq {opts.seq_len}; {opts.accumulation} microbatches of {opts.batch} or {opts.batch * opts.ratio} sequences")
+    print(
+        f"model: {opts.layers} layers, hidden {opts.hidden}, intermediate {opts.intermediate}, "
+        f"seq {opts.seq_len}; {opts.accumulation} microbatches of {opts.batch} or {opts.batch * opts.ratio} sequences"
+    )
     for w in opts.worlds:
         res = common.spawn(_run_world, w, device, opts, device)[0]
         print(report(w, opts, res), flush=True)

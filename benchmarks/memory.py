@@ -36,12 +36,23 @@ def _measure(opts, replicate: int) -> dict:
     import torch.nn.functional as F
 
     from titanlite.config import load
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as dump:
-        argv = ["--model.flavor", opts.flavor, "--training.seq_len", str(opts.seq_len),
-                "--training.local_batch_size", "1", "--training.mixed_precision_param", "float32",
-                "--parallelism.data_parallel_replicate_degree", str(replicate), "--job.dump_folder", dump]
+        argv = [
+            "--model.flavor",
+            opts.flavor,
+            "--training.seq_len",
+            str(opts.seq_len),
+            "--training.local_batch_size",
+            "1",
+            "--training.mixed_precision_param",
+            "float32",
+            "--parallelism.data_parallel_replicate_degree",
+            str(replicate),
+            "--job.dump_folder",
+            dump,
+        ]
         t = Trainer(load(argv))
     params = list(t.model.parameters())
     full = sum(p.numel() * p.element_size() for p in params)  # a DTensor's shape is the full shape
@@ -50,13 +61,20 @@ def _measure(opts, replicate: int) -> dict:
     F.cross_entropy(t.model(inputs.to(t.device)).flatten(0, 1), labels.to(t.device).flatten()).backward()
     mine["gradients"] = sum(local_bytes(p.grad) for p in params)
     t.optimizer.step()
-    mine["optimizer state"] = sum(local_bytes(s[k]) for s in t.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    mine["optimizer state"] = sum(
+        local_bytes(s[k]) for s in t.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")
+    )
     expected = {"parameters": full, "gradients": full, "optimizer state": 2 * full}  # fp32 master, grads, 2 moments
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     worst = {k: max(g[k] for g in gathered) for k in mine}
-    return dict(worst=worst, expected={k: v / t.dims.dp_shard for k, v in expected.items()},
-                shard=t.dims.dp_shard, numel=sum(p.numel() for p in params), device=str(t.device))
+    return dict(
+        worst=worst,
+        expected={k: v / t.dims.dp_shard for k, v in expected.items()},
+        shard=t.dims.dp_shard,
+        numel=sum(p.numel() for p in params),
+        device=str(t.device),
+    )
 
 
 def _run(opts, replicates: list[int]) -> list[dict] | None:
@@ -89,7 +107,11 @@ def main(argv=None) -> None:
         numel = res["numel"]
         row = [label, str(res["shard"])]
         for k in ("parameters", "gradients", "optimizer state"):
-            row += [f"{res['worst'][k] / scale:.1f}", f"{res['expected'][k] / scale:.1f}", f"{res['worst'][k] / res['expected'][k]:.4f}"]
+            row += [
+                f"{res['worst'][k] / scale:.1f}",
+                f"{res['expected'][k] / scale:.1f}",
+                f"{res['worst'][k] / res['expected'][k]:.4f}",
+            ]
         rows.append(row)
     print(f"llama3 {opts.flavor}: {numel:,} parameters, fp32; {unit} on the largest rank vs total / shard degree")
     header = ["layout", "shard"]

@@ -62,24 +62,43 @@ def _run(opts, device_type: str) -> dict | None:
     rank = int(os.environ["RANK"])
     dtype = common.param_dtype(opts.dtype, device_type)
     with tempfile.TemporaryDirectory() as dump:
-        trainer = common.build_trainer(opts, dump, local_batch_size=opts.batch, accumulation=opts.accumulation,
-                                       replicate=opts.replicate, dtype=dtype)
-    bare = bare_fsdp_step(trainer.model_args, trainer.dims.build_mesh(trainer.device.type), trainer.device,
-                          dtype, trainer.cfg.optimizer.lr, trainer.cfg.training.seed)
-    microbatches = common.random_microbatches([opts.batch] * opts.accumulation, opts.seq_len,
-                                              trainer.model_args.vocab_size, seed=rank)
+        trainer = common.build_trainer(
+            opts,
+            dump,
+            local_batch_size=opts.batch,
+            accumulation=opts.accumulation,
+            replicate=opts.replicate,
+            dtype=dtype,
+        )
+    bare = bare_fsdp_step(
+        trainer.model_args,
+        trainer.dims.build_mesh(trainer.device.type),
+        trainer.device,
+        dtype,
+        trainer.cfg.optimizer.lr,
+        trainer.cfg.training.seed,
+    )
+    microbatches = common.random_microbatches(
+        [opts.batch] * opts.accumulation, opts.seq_len, trainer.model_args.vocab_size, seed=rank
+    )
     # As in Trainer.train: packed batches have every label valid, so the loader knows the global count.
     global_tokens = opts.batch * opts.accumulation * opts.seq_len * trainer.dims.dp_degree
-    steps = {"titanlite": lambda: trainer.train_step(microbatches, global_tokens),
-             "bare FSDP2 loop": lambda: bare(microbatches)}
+    steps = {
+        "titanlite": lambda: trainer.train_step(microbatches, global_tokens),
+        "bare FSDP2 loop": lambda: bare(microbatches),
+    }
     for fn in steps.values():
         for _ in range(opts.warmup):
             fn()
     times = {name: [] for name in steps}
     for rep in range(opts.reps):
-        for name in (list(steps) if rep % 2 == 0 else list(steps)[::-1]):
+        for name in list(steps) if rep % 2 == 0 else list(steps)[::-1]:
             times[name].append(common.time_steps(steps[name], opts.steps, trainer.device))
-    return dict(times=times, describe=trainer.dims.describe(), device=str(trainer.device), dtype=dtype) if rank == 0 else None
+    return (
+        dict(times=times, describe=trainer.dims.describe(), device=str(trainer.device), dtype=dtype)
+        if rank == 0
+        else None
+    )
 
 
 def report(opts, res: dict) -> str:
@@ -92,12 +111,15 @@ def report(opts, res: dict) -> str:
     (ti, _, _), (ba, _, _) = (common.summary(t) for t in res["times"].values())
     paired = common.summary([a / b for a, b in zip(*res["times"].values())])
     verdict = "met" if paired[0] <= GOAL else "NOT met"
-    return "\n".join([
-        f"{res['describe']}; {opts.accumulation} microbatch(es) of {opts.batch} x {opts.seq_len} tokens per rank; "
-        f"{opts.reps} reps x {opts.steps} steps, {res['device']}, {res['dtype']}",
-        common.format_table(["step", "step ms", "(min-max)", "tokens/s/rank"], rows),
-        f"titanlite / bare: {paired[0]:.3f} median of the per-repetition ratios ({paired[1]:.3f}-{paired[2]:.3f}), "
-        f"{ti / ba:.3f} ratio of the medians; goal <= {GOAL:.2f}: {verdict}"])
+    return "\n".join(
+        [
+            f"{res['describe']}; {opts.accumulation} microbatch(es) of {opts.batch} x {opts.seq_len} tokens per rank; "
+            f"{opts.reps} reps x {opts.steps} steps, {res['device']}, {res['dtype']}",
+            common.format_table(["step", "step ms", "(min-max)", "tokens/s/rank"], rows),
+            f"titanlite / bare: {paired[0]:.3f} median of the per-repetition ratios ({paired[1]:.3f}-{paired[2]:.3f}), "
+            f"{ti / ba:.3f} ratio of the medians; goal <= {GOAL:.2f}: {verdict}",
+        ]
+    )
 
 
 def main(argv=None) -> None:

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_helpers import run_distributed
-from test_training import _train_all, _trainer, tiny_argv
 from titanlite.config import ConfigError, load
 from titanlite.memory_estimate import activation_bytes
 from titanlite.models.llama import Transformer
 from titanlite.models.llama_args import LlamaArgs
 from titanlite.parallelize import apply_ac, checkpointed_blocks, compile_problem
+
+from helpers import make_trainer, run_distributed, tiny_argv, train_all
 
 MODES = {"none": ("none", "2"), "full": ("full", "2"), "selective2": ("selective", "2"), "op": ("selective", "op")}
 
@@ -51,9 +51,15 @@ def _step(args, ac_name, dtype=torch.float32, batch=4, seq=64):
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     measured = sum(v for k, v in peak.items() if k != "Total" and k.value in ("Activation", "Temp"))
     estimated = activation_bytes(args, batch * seq, dtype.itemsize, wrapped, ac_name == "op")["total"]
-    return dict(loss=loss.detach(), grads={n: p.grad for n, p in model.named_parameters()},
-                names=[n for n, _ in model.named_parameters()], keys=list(model.state_dict()),
-                wrapped=wrapped, measured=measured, estimated=estimated)
+    return dict(
+        loss=loss.detach(),
+        grads={n: p.grad for n, p in model.named_parameters()},
+        names=[n for n, _ in model.named_parameters()],
+        keys=list(model.state_dict()),
+        wrapped=wrapped,
+        measured=measured,
+        estimated=estimated,
+    )
 
 
 def _args(vocab=258):
@@ -98,10 +104,12 @@ def test_checkpointed_blocks_and_config_checks(monkeypatch, tmp_path):
         load(["--compile.backend", "tvm"])
     # inductor on CPU without a C++ compiler: a clear message at start, not an error at the first step
     import torch._inductor.config as inductor_config
+
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
     problem = compile_problem(types.SimpleNamespace(enable=True, backend="inductor"), "cpu")
     assert problem and "needs a C++ compiler" in problem and "aot_eager" in problem
-    from titanlite.train import validate_for_world
+    from titanlite.plan import validate_for_world
+
     with pytest.raises(ConfigError, match="compile.enable = true .* needs a C\\+\\+ compiler"):
         validate_for_world(load(tiny_argv(tmp_path, "--compile.enable")), 1, device_type="cpu")
     assert compile_problem(types.SimpleNamespace(enable=True, backend="aot_eager"), "cpu") is None
@@ -110,54 +118,79 @@ def test_checkpointed_blocks_and_config_checks(monkeypatch, tmp_path):
 def _ac_trainer_facts(argv_list):
     """Per argv: losses, state-dict keys, whether every block is its own FSDP unit, local state bytes."""
     from torch.distributed.fsdp import FSDPModule
+
     from titanlite.memory_estimate import sharded_state_bytes
 
     out = []
     for argv in argv_list:
-        t = _trainer(argv)
+        t = make_trainer(argv)
         keys = list(t.model.state_dict())
         blocks_sharded = all(isinstance(b, FSDPModule) for b in t.model.layers)
-        out.append(dict(losses=t.train(), keys=keys, blocks_sharded=blocks_sharded,
-                        params=sharded_state_bytes(t.model).params))
+        out.append(
+            dict(losses=t.train(), keys=keys, blocks_sharded=blocks_sharded, params=sharded_state_bytes(t.model).params)
+        )
     return out
 
 
+@pytest.mark.slow
 def test_ac_in_fsdp_trainer_same_losses(tmp_path):
     base = tiny_argv(tmp_path, "--training.steps", "3", "--training.local_batch_size", "2")
-    runs = run_distributed(_ac_trainer_facts, 2, [
-        base,
-        base + ["--activation_checkpoint.mode", "full"],
-        base + ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-    ])[0]
+    runs = run_distributed(
+        _ac_trainer_facts,
+        2,
+        [
+            base,
+            base + ["--activation_checkpoint.mode", "full"],
+            base + ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+        ],
+    )[0]
     ref = runs[0]
     for r in runs[1:]:
         assert r["keys"] == ref["keys"] and r["blocks_sharded"]
         for step, loss in ref["losses"].items():
             assert abs(r["losses"][step] - loss) < 1e-6, (step, r["losses"][step], loss)
     # the dry run counts the same per-rank parameter bytes from the meta model on a fake process group
-    from titanlite import dry_run
-    from titanlite.train import validate_for_world
+    from titanlite import sizing
+    from titanlite.plan import validate_for_world
+
     cfg = load(base)
     plan = validate_for_world(cfg, 2, device_type=None)
-    lines, _ = dry_run.report(cfg, plan, 2, "test", 80.0)
+    lines, _ = sizing.report(cfg, plan, 2, "test", 80.0)
     param_gib = float(next(line for line in lines if line.strip().startswith("parameters")).split()[-1])
     assert abs(param_gib - ref["params"] / 1024**3) < 0.006
 
 
+@pytest.mark.slow
 def test_compile_same_losses(tmp_path):
     """Per-block torch.compile (inductor on CPU) with selective AC: block 0 compiled plain, block 1
     compiled with checkpointing; the losses of eager (fp32)."""
     base = tiny_argv(tmp_path, "--training.steps", "3", "--training.local_batch_size", "2")
-    eager, compiled = run_distributed(_train_all, 1, [base, base + [
-        "--compile.enable", "--activation_checkpoint.mode", "selective",
-        "--activation_checkpoint.selective_ac_option", "2"]])[0]
+    eager, compiled = run_distributed(
+        train_all,
+        1,
+        [
+            base,
+            base
+            + [
+                "--compile.enable",
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "2",
+            ],
+        ],
+    )[0]
     for step, loss in eager.items():
         assert abs(compiled[step] - loss) < 1e-4 * max(1.0, abs(loss)), (step, compiled[step], loss)
 
 
 def test_selective_option_beyond_layers_is_a_config_error(tmp_path):
-    from titanlite.train import validate_for_world
-    cfg = load(tiny_argv(tmp_path, "--activation_checkpoint.mode", "selective",
-                         "--activation_checkpoint.selective_ac_option", "3"))
+    from titanlite.plan import validate_for_world
+
+    cfg = load(
+        tiny_argv(
+            tmp_path, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "3"
+        )
+    )
     with pytest.raises(ConfigError, match=r"selective_ac_option = '3' checkpoints no block of the 2.*1 to 2"):
         validate_for_world(cfg, 1)

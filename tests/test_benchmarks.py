@@ -6,35 +6,67 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SHAPE = ["--layers", "1", "--hidden", "64", "--intermediate", "96", "--seq-len", "16", "--device", "cpu"]
 
 
 def _bench(script, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return r.stdout
 
 
 def test_delayed_all_reduce_benchmark_prints_its_table():
-    out = _bench("delayed_all_reduce.py", *TINY_SHAPE, "--worlds", "2", "--reps", "2", "--steps", "1",
-                 "--warmup", "0", "--kinds", "inhomogeneous", "--modes", "hsdp", "hsdp_delay", "fsdp",
-                 "hsdp_last_only")
+    out = _bench(
+        "delayed_all_reduce.py",
+        *TINY_SHAPE,
+        "--worlds",
+        "2",
+        "--reps",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--kinds",
+        "inhomogeneous",
+        "--modes",
+        "hsdp",
+        "hsdp_delay",
+        "fsdp",
+        "hsdp_last_only",
+    )
     assert "world 2 (replicate 2 x shard 1), inhomogeneous microbatches [replica 0: 1,2  replica 1: 2,1]" in out
-    for label in ("HSDP 2x1 ", "HSDP 2x1 + delayed all-reduce", "FSDP over the world (2)",
-                  "HSDP 2x1 + sync on last microbatch only"):
-        assert re.search(re.escape(label) + r"\s+[0-9.]+\s+[0-9.]+-[0-9.]+\s+[0-9,]+\s+[0-9,]+-[0-9,]+\s+x[0-9.]+",
-                         out), (label, out)
+    for label in (
+        "HSDP 2x1 ",
+        "HSDP 2x1 + delayed all-reduce",
+        "FSDP over the world (2)",
+        "HSDP 2x1 + sync on last microbatch only",
+    ):
+        assert re.search(
+            re.escape(label) + r"\s+[0-9.]+\s+[0-9.]+-[0-9.]+\s+[0-9,]+\s+[0-9,]+-[0-9,]+\s+x[0-9.]+", out
+        ), (label, out)
     assert "compute-bound limit of the delayed all-reduce: x1.33" in out
 
 
 def test_overhead_benchmark_prints_ratio():
     out = _bench("overhead.py", *TINY_SHAPE, "--reps", "2", "--steps", "1", "--warmup", "1")
     assert "FSDP: shard_size=2" in out and "bare FSDP2 loop" in out
-    assert re.search(r"titanlite / bare: [0-9.]+ median of the per-repetition ratios .* goal <= 1.03: (met|NOT met)",
-                     out), out
+    assert re.search(
+        r"titanlite / bare: [0-9.]+ median of the per-repetition ratios .* goal <= 1.03: (met|NOT met)", out
+    ), out
 
 
 def test_memory_is_total_over_shard_degree():

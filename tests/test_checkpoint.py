@@ -5,31 +5,17 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from dist_helpers import run_distributed
-from test_training import tiny_argv
+from helpers import capture_logs, ckpt_argv, full_model, load_everything, make_trainer, run_distributed, subprocess_env
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def ckpt_argv(tmp, *extra):
-    """6 fp32 steps, global batch 8, checkpointing on under tmp."""
-    return tiny_argv(tmp, "--training.steps", "6", "--training.global_batch_size", "8", "--checkpoint.enable",
-                     *extra)
+pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
 
 
 class _Crash(Exception):
     pass
-
-
-def _trainer(argv):
-    from titanlite.config import load
-    from titanlite.train import Trainer
-    return Trainer(load(argv))
 
 
 def _interrupt_at(trainer, step, action):
@@ -40,6 +26,7 @@ def _interrupt_at(trainer, step, action):
         if trainer.step == step:
             action()
         return fetch()
+
     trainer.dataloader.next_step = next_step
 
 
@@ -47,40 +34,37 @@ def _crash():
     raise _Crash
 
 
-def _full_model(trainer):
-    return {k: v.full_tensor() for k, v in trainer.model.state_dict().items()}
-
-
 # ----------------------------------------------------------------------------- exact resume, other topologies
 
 
 def _world4_resume(tmp):
     import torch.distributed as dist
+
     fsdp = ckpt_argv(tmp, "--training.local_batch_size", "1")  # FSDP(4), 2 microbatches
     hsdp = fsdp + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.hsdp_delay_all_reduce"]
     off = ["--checkpoint.enable", "false"]
-    out = {"ref_fsdp4": _trainer(fsdp + off).train(), "ref_hsdp": _trainer(hsdp + off).train()}
+    out = {"ref_fsdp4": make_trainer(fsdp + off).train(), "ref_hsdp": make_trainer(hsdp + off).train()}
 
     # FSDP(4): saves step-3 on the interval, crashes in step 4, resumes.
-    t = _trainer(fsdp + ["--checkpoint.folder", "a", "--checkpoint.interval", "3"])
+    t = make_trainer(fsdp + ["--checkpoint.folder", "a", "--checkpoint.interval", "3"])
     _interrupt_at(t, 4, _crash)
     try:
         t.train()
     except _Crash:
         t.checkpointer.close()  # a crashed process would exit; this one goes on, so restore the signal handlers
-    t = _trainer(fsdp + ["--checkpoint.folder", "a", "--checkpoint.interval", "3"])
+    t = make_trainer(fsdp + ["--checkpoint.folder", "a", "--checkpoint.interval", "3"])
     out["fsdp4_resumed_step"] = t.step
     out["fsdp4_resumed"] = t.train()
 
     # HSDP(2x2) with the delayed all-reduce: SIGUSR1 on rank 1 during step 3 stops every rank after saving it.
-    t = _trainer(hsdp + ["--checkpoint.folder", "b"])
+    t = make_trainer(hsdp + ["--checkpoint.folder", "b"])
     _interrupt_at(t, 3, lambda: dist.get_rank() == 1 and os.kill(os.getpid(), signal.SIGUSR1))
     out["hsdp_preempted"] = t.train()
     out["hsdp_preempted_flag"] = t.checkpointer.preempted
-    out["hsdp_resumed"] = _trainer(hsdp + ["--checkpoint.folder", "b"]).train()
+    out["hsdp_resumed"] = make_trainer(hsdp + ["--checkpoint.folder", "b"]).train()
 
     # FSDP(4) checkpoint of step 3 -> HSDP(2x2) with delayed all-reduce.
-    t = _trainer(hsdp + ["--checkpoint.folder", "a", "--checkpoint.load_step", "3"])
+    t = make_trainer(hsdp + ["--checkpoint.folder", "a", "--checkpoint.load_step", "3"])
     out["fsdp4_to_hsdp_position"] = t.dataloader.state_dict()["sequence_index"]
     out["fsdp4_to_hsdp"] = t.train()
     return out
@@ -88,8 +72,8 @@ def _world4_resume(tmp):
 
 def _resume_other_world(tmp, local_batch_size):
     base = ckpt_argv(tmp, "--training.local_batch_size", str(local_batch_size))
-    ref = _trainer(base + ["--checkpoint.enable", "false"]).train()
-    t = _trainer(base + ["--checkpoint.folder", "a", "--checkpoint.load_step", "3"])
+    ref = make_trainer(base + ["--checkpoint.enable", "false"]).train()
+    t = make_trainer(base + ["--checkpoint.folder", "a", "--checkpoint.load_step", "3"])
     return {"ref": ref, "step": t.step, "resumed": t.train()}
 
 
@@ -122,21 +106,12 @@ def test_resume_is_exact_and_works_on_other_topologies(tmp_path):
 
 def _async_and_sync(tmp):
     base = ckpt_argv(tmp, "--training.steps", "4", "--training.local_batch_size", "4", "--checkpoint.interval", "2")
-    sync = _trainer(base + ["--checkpoint.folder", "sync"]).train()
-    t = _trainer(base + ["--checkpoint.folder", "async", "--checkpoint.async_mode", "async"])
+    sync = make_trainer(base + ["--checkpoint.folder", "sync"]).train()
+    t = make_trainer(base + ["--checkpoint.folder", "async", "--checkpoint.async_mode", "async"])
     seen = {}
     _interrupt_at(t, 3, lambda: seen.setdefault("pending_in_step3", t.checkpointer._pending is not None))
     losses = t.train()
     return {"sync": sync, "async": losses, **seen, "pending_after": t.checkpointer._pending}
-
-
-def _load_everything(path):
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    from torch.distributed.checkpoint import FileSystemReader
-    sd = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return sd
 
 
 def _assert_same(a, b, path=""):
@@ -152,15 +127,28 @@ def _assert_same(a, b, path=""):
 
 def _initial_loads(tmp, sources):
     import torch.distributed as dist
+
     out = {}
     for name, src in sources.items():
-        t = _trainer(ckpt_argv(tmp, "--training.local_batch_size", "4", "--checkpoint.folder", f"init-{name}",
-                               "--checkpoint.initial_load_path", src))
-        model = _full_model(t)  # a collective: every rank
+        t = make_trainer(
+            ckpt_argv(
+                tmp,
+                "--training.local_batch_size",
+                "4",
+                "--checkpoint.folder",
+                f"init-{name}",
+                "--checkpoint.initial_load_path",
+                src,
+            )
+        )
+        model = full_model(t)  # a collective: every rank
         out[name] = {"step": t.step, "model": model if dist.get_rank() == 0 else None}
     try:  # a checkpoint of another model shape
-        _trainer(ckpt_argv(tmp, "--training.local_batch_size", "4", "--checkpoint.folder", "sync",
-                           "--model.vocab_size", "300"))
+        make_trainer(
+            ckpt_argv(
+                tmp, "--training.local_batch_size", "4", "--checkpoint.folder", "sync", "--model.vocab_size", "300"
+            )
+        )
     except Exception as e:
         out["mismatch"] = f"{type(e).__name__}: {e}"
     return out
@@ -172,22 +160,31 @@ def test_async_save_equals_sync_and_export_import(tmp_path):
     assert r["pending_in_step3"] is True  # step 3 trained while step 2 was being written
     assert r["pending_after"] is None  # the last save was awaited and committed
     for step in (2, 4):
-        _assert_same(_load_everything(tmp_path / "sync" / f"step-{step}"),
-                     _load_everything(tmp_path / "async" / f"step-{step}"))
+        _assert_same(
+            load_everything(tmp_path / "sync" / f"step-{step}"), load_everything(tmp_path / "async" / f"step-{step}")
+        )
     assert not [p for p in (tmp_path / "async").iterdir() if p.name.startswith(".tmp")]
 
-    saved = _load_everything(tmp_path / "sync" / "step-4")
+    saved = load_everything(tmp_path / "sync" / "step-4")
     assert set(saved) == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
     assert saved["train_state"]["step"] == 4 and saved["dataloader"]["sequence_index"] == 32
     model = saved["model"]
     assert "layers.0.attention.wq.weight" in model
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = subprocess_env()
     files = {}
     for dtype in ("", "bfloat16"):
         out = tmp_path / f"export{dtype}.pt"
-        cmd = [sys.executable, "-m", "titanlite.checkpoint", "export", "--checkpoint", str(tmp_path / "sync" / "step-4"),
-               "--output", str(out)] + (["--dtype", dtype] if dtype else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "titanlite.checkpoint",
+            "export",
+            "--checkpoint",
+            str(tmp_path / "sync" / "step-4"),
+            "--output",
+            str(out),
+        ] + (["--dtype", dtype] if dtype else [])
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
         files[dtype or "float32"] = out
@@ -196,12 +193,25 @@ def test_async_save_equals_sync_and_export_import(tmp_path):
     _assert_same(fp32, model)
     assert bf16.keys() == model.keys() and all(v.dtype == torch.bfloat16 for v in bf16.values())
     assert torch.equal(bf16["output.weight"], model["output.weight"].bfloat16())
-    p = subprocess.run([sys.executable, "-m", "titanlite.checkpoint", "export", "--checkpoint", str(tmp_path / "nope"),
-                        "--output", str(tmp_path / "x.pt")], env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titanlite.checkpoint",
+            "export",
+            "--checkpoint",
+            str(tmp_path / "nope"),
+            "--output",
+            str(tmp_path / "x.pt"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr and "nope" in p.stderr
 
-    sources = {"file": str(files["float32"]), "bf16": str(files["bfloat16"]),
-               "dcp": str(tmp_path / "sync" / "step-4")}
+    sources = {"file": str(files["float32"]), "bf16": str(files["bfloat16"]), "dcp": str(tmp_path / "sync" / "step-4")}
     loads = run_distributed(_initial_loads, 2, str(tmp_path), sources)[0]
     for name in ("file", "dcp"):
         assert loads[name]["step"] == 0, name  # a new run, only the weights
@@ -215,45 +225,56 @@ def test_async_save_equals_sync_and_export_import(tmp_path):
 # ----------------------------------------------------------------------------- retention, crash safety, bad input
 
 
-def _log_records():
-    """Collect the titanlite log messages of this process."""
-    import logging
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    log = logging.getLogger("titanlite")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    return messages
-
-
 def _save_model_only_last(tmp):
-    _trainer(ckpt_argv(tmp, "--training.steps", "4", "--training.local_batch_size", "4", "--checkpoint.interval", "1",
-                       "--checkpoint.keep_latest_k", "1", "--checkpoint.last_save_model_only",
-                       "--checkpoint.export_dtype", "bfloat16")).train()
+    make_trainer(
+        ckpt_argv(
+            tmp,
+            "--training.steps",
+            "4",
+            "--training.local_batch_size",
+            "4",
+            "--checkpoint.interval",
+            "1",
+            "--checkpoint.keep_latest_k",
+            "1",
+            "--checkpoint.last_save_model_only",
+            "--checkpoint.export_dtype",
+            "bfloat16",
+        )
+    ).train()
 
 
 def _resume_past_bad_folders(tmp, bf16_model):
-    logs = _log_records()
-    base = ckpt_argv(tmp, "--training.local_batch_size", "4", "--checkpoint.interval", "1",
-                     "--checkpoint.keep_latest_k", "1")
+    logs = capture_logs()
+    base = ckpt_argv(
+        tmp, "--training.local_batch_size", "4", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1"
+    )
     # a new run from the bf16 model-only save (a DCP folder) gets its weights, upcast
-    t = _trainer(base + ["--checkpoint.folder", "fresh", "--checkpoint.initial_load_path", f"{tmp}/checkpoint/step-4"])
-    bf16_loaded = all(torch.equal(v, bf16_model[k].float()) for k, v in _full_model(t).items())
-    t = _trainer(base)
+    t = make_trainer(
+        base + ["--checkpoint.folder", "fresh", "--checkpoint.initial_load_path", f"{tmp}/checkpoint/step-4"]
+    )
+    bf16_loaded = all(torch.equal(v, bf16_model[k].float()) for k, v in full_model(t).items())
+    t = make_trainer(base)
     out = {"resumed_step": t.step, "logs": list(logs), "bf16_loaded": bf16_loaded}
     out["losses"] = t.train()
-    trained = _full_model(t)
-    t = _trainer(base + ["--checkpoint.load_step", "6", "--checkpoint.exclude_from_loading",
-                         "optimizer,lr_scheduler,dataloader,train_state"])
+    trained = full_model(t)
+    t = make_trainer(
+        base
+        + [
+            "--checkpoint.load_step",
+            "6",
+            "--checkpoint.exclude_from_loading",
+            "optimizer,lr_scheduler,dataloader,train_state",
+        ]
+    )
     out["excluded_step"] = t.step
     out["excluded_position"] = t.dataloader.state_dict()["sequence_index"]
-    out["excluded_model_equal"] = all(torch.equal(v, trained[k]) for k, v in _full_model(t).items())
+    out["excluded_model_equal"] = all(torch.equal(v, trained[k]) for k, v in full_model(t).items())
     return out
 
 
 def test_retention_crash_leftovers_and_bad_input(tmp_path):
-    from titanlite.checkpoint import preflight, read_info
+    from titanlite.checkpoint.catalog import preflight, read_info
     from titanlite.config import ConfigError, load
 
     run_distributed(_save_model_only_last, 2, str(tmp_path))
@@ -262,7 +283,7 @@ def test_retention_crash_leftovers_and_bad_input(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
     assert read_info(folder / "step-4").parts == {"model"}
     assert read_info(folder / "step-3").parts == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
-    bf16_model = _load_everything(folder / "step-4")["model"]
+    bf16_model = load_everything(folder / "step-4")["model"]
     assert all(v.dtype == torch.bfloat16 for v in bf16_model.values())
 
     # what a crash leaves behind: an unfinished save, a partial copy, a folder with a broken .metadata
@@ -275,6 +296,7 @@ def test_retention_crash_leftovers_and_bad_input(tmp_path):
         with pytest.raises(ConfigError) as e:
             preflight(load(ckpt_argv(tmp_path, *extra)))
         return str(e.value)
+
     msg = error("--checkpoint.load_step", "9")
     assert "no step-9" in msg and "complete checkpoints there: 3, 4" in msg
     assert "no .metadata" in error("--checkpoint.load_step", "6")

@@ -4,32 +4,53 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
+import pytest
 import torch
 
-from dist_helpers import run_distributed
-from test_checkpoint import _load_everything, _trainer
-from test_training import tiny_argv
+from helpers import (
+    ROOT,
+    faults_env,
+    load_everything,
+    make_trainer,
+    run_distributed,
+    subprocess_env,
+    tiny_argv,
+    torchrun_cmd,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
 
 
 def _argv(tmp, *extra):
-    return tiny_argv(tmp, "--training.steps", "6", "--training.global_batch_size", "8",
-                     "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
-                     "--checkpoint.keep_latest_k", "0", *extra)  # keep all: the test lists every save
+    return tiny_argv(
+        tmp,
+        "--training.steps",
+        "6",
+        "--training.global_batch_size",
+        "8",
+        "--training.local_batch_size",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        *extra,
+    )  # keep all: the test lists every save
 
 
 def _torchrun(args, **popen_kw):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TITANLITE_DEVICE": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", "-m", "titanlite.train", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=popen_kw.pop("stdout", subprocess.PIPE),
-                            stderr=subprocess.STDOUT, text=True, **popen_kw)
+    return subprocess.Popen(
+        torchrun_cmd(*args),
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=popen_kw.pop("stdout", subprocess.PIPE),
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen_kw,
+    )
 
 
 def _logged_losses(out):
@@ -37,22 +58,30 @@ def _logged_losses(out):
 
 
 def _train_uninterrupted(argv):
-    return _trainer(argv).train()
+    return make_trainer(argv).train()
 
 
 def test_elastic_restart_after_sigkill_resumes_and_matches(tmp_path):
     # run_train.sh reads train_configs/debug_model.toml first; so does the reference
-    ref_losses = run_distributed(_train_uninterrupted, 2,
-                                 ["--job.config_file", "debug_model", *_argv(tmp_path / "ref")])[0]
-    # restart 0: rank 1 is killed when the save of step 4 begins (step-2 is the newest complete one);
-    # restart 1: rank 1 is killed at the end of step 5 (after step-4 was saved); restart 2 finishes.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TITANLITE_DEVICE": "cpu", "NGPU": "2",
-           "MAX_RESTARTS": "2", "LOG_RANK": "0,1", "TITANLITE_TEST_KILL_AT": "save:4:1,step:5:1"}
-    p = subprocess.run(["./run_train.sh", *_argv(tmp_path / "run")], cwd=ROOT, env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    ref_losses = run_distributed(
+        _train_uninterrupted, 2, ["--job.config_file", "debug_model", *_argv(tmp_path / "ref")]
+    )[0]
+    # Fault injection (tests/faults/sitecustomize.py): restart 0: rank 1 is killed when the save of step 4
+    # begins (step-2 is the newest complete one); restart 1: rank 1 is killed at the end of step 5 (after
+    # step-4 was saved); restart 2 finishes.
+    env = faults_env("kill:save:4:1,kill:step:5:1", NGPU="2", MAX_RESTARTS="2", LOG_RANK="0,1")
+    p = subprocess.run(
+        ["./run_train.sh", *_argv(tmp_path / "run")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     out = p.stdout
     assert p.returncode == 0, out[-4000:]
-    assert out.count("TITANLITE_TEST_KILL_AT: killing rank 1") == 2, out[-4000:]
+    assert out.count("fault injection: killing rank 1") == 2, out[-4000:]
     resumed = re.findall(r"Resuming from \S+/step-(\d+) \(step", out)
     assert resumed == ["2", "2", "4", "4"], resumed  # each line once per rank
     assert "Removing incomplete checkpoint" in out and ".tmp-step-4" in out
@@ -60,14 +89,17 @@ def test_elastic_restart_after_sigkill_resumes_and_matches(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4", "step-6"]
     # the same final loss (as logged) and bit-identical final weights and optimizer state
     assert _logged_losses(out)[6] == round(ref_losses[6], 4)
-    ref = _load_everything(tmp_path / "ref" / "checkpoint" / "step-6")
-    got = _load_everything(folder / "step-6")
+    ref = load_everything(tmp_path / "ref" / "checkpoint" / "step-6")
+    got = load_everything(folder / "step-6")
     for part in ("model", "optimizer"):
         flat_ref, flat_got = _flatten(ref[part]), _flatten(got[part])
         assert flat_ref.keys() == flat_got.keys()
         for k in flat_ref:
             assert torch.equal(flat_ref[k], flat_got[k]), (part, k)
-    assert got["dataloader"] == ref["dataloader"] and got["train_state"]["tokens_seen"] == ref["train_state"]["tokens_seen"]
+    assert (
+        got["dataloader"] == ref["dataloader"]
+        and got["train_state"]["tokens_seen"] == ref["train_state"]["tokens_seen"]
+    )
 
 
 def _flatten(d, prefix=""):
@@ -110,7 +142,7 @@ def test_sigterm_to_one_worker_saves_every_rank_and_exits_zero(tmp_path):
     step = int(saved[0])
     folder = tmp_path / "checkpoint"
     assert sorted(p.name for p in folder.iterdir()) == [f"step-{step}"]
-    assert _load_everything(folder / f"step-{step}")["train_state"]["step"] == step
+    assert load_everything(folder / f"step-{step}")["train_state"]["step"] == step
     # the next launch resumes from there
     p = _torchrun(args + ["--training.steps", str(step + 1)])
     out, _ = p.communicate(timeout=600)

@@ -12,8 +12,10 @@ from titanlite.config import ConfigError, load
 @pytest.fixture
 def toml_file(tmp_path):
     p = tmp_path / "job.toml"
-    p.write_text('[training]\nsteps = 50\nseq_len = 64\n[checkpoint]\nenable = true\n'
-                 '[parallelism]\ndata_parallel_replicate_degree = 2\n')
+    p.write_text(
+        "[training]\nsteps = 50\nseq_len = 64\n[checkpoint]\nenable = true\n"
+        "[parallelism]\ndata_parallel_replicate_degree = 2\n"
+    )
     return p
 
 
@@ -22,8 +24,17 @@ def test_defaults_toml_cli_precedence(toml_file):
     assert cfg.training.steps == 200 and cfg.training.seq_len == 256  # defaults
     cfg = load(["--job.config_file", str(toml_file)])
     assert cfg.training.steps == 50 and cfg.checkpoint.enable is True  # TOML over defaults
-    cfg = load(["--job.config_file", str(toml_file), "--training.steps=20", "--training.seq_len", "32",
-                "--parallelism.data_parallel_replicate_degree", "1"])
+    cfg = load(
+        [
+            "--job.config_file",
+            str(toml_file),
+            "--training.steps=20",
+            "--training.seq_len",
+            "32",
+            "--parallelism.data_parallel_replicate_degree",
+            "1",
+        ]
+    )
     assert (cfg.training.steps, cfg.training.seq_len) == (20, 32)  # CLI over TOML
     assert cfg.parallelism.data_parallel_replicate_degree == 1
     # the config file may come after other overrides and the CLI still wins
@@ -44,22 +55,25 @@ def test_config_name_resolves_in_train_configs():
     assert load(["--job.config_file", "llama8b_fsdp"]).parallelism.data_parallel_replicate_degree == 1
 
 
-@pytest.mark.parametrize("argv, needles", [
-    (["--trainig.steps", "3"], ["unknown section [trainig]", "did you mean 'training'"]),
-    (["--training.stepz", "3"], ["unknown key training.stepz", "did you mean 'steps'"]),
-    (["--training.steps", "many"], ["training.steps = 'many'", "int"]),
-    (["--checkpoint.enable", "maybe"], ["unexpected argument 'maybe'"]),
-    (["--checkpoint.enable=maybe"], ["checkpoint.enable = 'maybe'", "true or false"]),
-    (["--training.steps", "0"], ["training.steps = 0", "> 0"]),
-    (["--optimizer.lr", "-1"], ["optimizer.lr = -1.0", "> 0"]),
-    (["--training.mixed_precision_param", "fp8"], ["training.mixed_precision_param = 'fp8'", "bfloat16"]),
-    (["--parallelism.data_parallel_shard_degree", "0"], ["data_parallel_shard_degree = 0", "-1"]),
-    (["--parallelism.fsdp_reshard_after_forward", "sometimes"], ["fsdp_reshard_after_forward", "never"]),
-    (["--model.flavor", "9B"], ["model.flavor = '9B'", "8B"]),
-    (["--job.config_file", "nope.toml"], ["job.config_file = 'nope.toml'", "debug_model.toml"]),
-    (["--training.steps"], ["--training.steps needs a value"]),
-    (["training.steps", "3"], ["unexpected argument"]),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--trainig.steps", "3"], ["unknown section [trainig]", "did you mean 'training'"]),
+        (["--training.stepz", "3"], ["unknown key training.stepz", "did you mean 'steps'"]),
+        (["--training.steps", "many"], ["training.steps = 'many'", "int"]),
+        (["--checkpoint.enable", "maybe"], ["unexpected argument 'maybe'"]),
+        (["--checkpoint.enable=maybe"], ["checkpoint.enable = 'maybe'", "true or false"]),
+        (["--training.steps", "0"], ["training.steps = 0", "> 0"]),
+        (["--optimizer.lr", "-1"], ["optimizer.lr = -1.0", "> 0"]),
+        (["--training.mixed_precision_param", "fp8"], ["training.mixed_precision_param = 'fp8'", "bfloat16"]),
+        (["--parallelism.data_parallel_shard_degree", "0"], ["data_parallel_shard_degree = 0", "-1"]),
+        (["--parallelism.fsdp_reshard_after_forward", "sometimes"], ["fsdp_reshard_after_forward", "never"]),
+        (["--model.flavor", "9B"], ["model.flavor = '9B'", "8B"]),
+        (["--job.config_file", "nope.toml"], ["job.config_file = 'nope.toml'", "debug_model.toml"]),
+        (["--training.steps"], ["--training.steps needs a value"]),
+        (["training.steps", "3"], ["unexpected argument"]),
+    ],
+)
 def test_bad_input_messages(argv, needles):
     with pytest.raises(ConfigError) as e:
         load(argv)
@@ -89,8 +103,19 @@ def test_help_lists_every_field_with_doc():
 
 
 def test_cli_check_exits_2_without_traceback():
-    r = subprocess.run([sys.executable, "-m", "titanlite.config", "--world-size", "4",
-                        "--parallelism.data_parallel_shard_degree", "3"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titanlite.config",
+            "--world-size",
+            "4",
+            "--parallelism.data_parallel_shard_degree",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert "data_parallel_shard_degree = 3" in r.stderr and "world size is 4" in r.stderr
@@ -100,11 +125,16 @@ def test_to_toml_round_trips(tmp_path):
     cfg = load(["--training.steps", "9", "--model.tokenizer_path", 'a"b'])
     p = tmp_path / "out.toml"
     p.write_text(config.to_toml(cfg))
-    assert load(["--job.config_file", str(p)]).to_dict() == {**cfg.to_dict(), "job": {**cfg.to_dict()["job"], "config_file": str(p)}}
+    assert load(["--job.config_file", str(p)]).to_dict() == {
+        **cfg.to_dict(),
+        "job": {**cfg.to_dict()["job"], "config_file": str(p)},
+    }
 
 
 def test_readme_config_reference_is_current():
     from pathlib import Path
+
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert config.markdown_reference().strip() in readme, (
-        "README config reference is stale: paste the output of `python -m titanlite.config --markdown`")
+        "README config reference is stale: paste the output of `python -m titanlite.config --markdown`"
+    )

@@ -8,15 +8,11 @@ import sys
 import pytest
 import torch
 
-from titanlite import builtin_corpus
-from titanlite.data import (
-    ByteTokenizer,
-    HFTokenizer,
-    PackedDataLoader,
-    build_tokenizer,
-    builtin_corpus_path,
-    load_documents,
-)
+from titanlite.data import builtin_corpus
+from titanlite.data.builtin_corpus import builtin_corpus_path
+from titanlite.data.packing import PackedDataLoader
+from titanlite.data.sources import load_documents
+from titanlite.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 
 TINY_DOCS = [
     "The cat sat on the mat.",
@@ -26,27 +22,6 @@ TINY_DOCS = [
     "Short one",
     "The last document of the tiny dataset is a bit longer than the others.",
 ]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def corpus_cache(tmp_path_factory):
-    """Keep the built-in corpus of these tests out of the user's ~/.cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        cache = tmp_path_factory.mktemp("cache")
-        mp.setenv("TITANLITE_CACHE", str(cache))
-        yield cache
-
-
-@pytest.fixture(scope="session", autouse=True)
-def offline_hub():
-    """Keep `datasets` off the network (it even pings the Hub when it opens local files)."""
-    import datasets
-    import huggingface_hub.constants
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
 
 
 @pytest.fixture
@@ -65,8 +40,7 @@ def global_steps(dataset, steps, seq_len, global_batch, local_batch, dp_degree, 
     """Run one loader per DP rank and return, per step, the global batch in rank order."""
     tokenizer = tokenizer or ByteTokenizer()
     loaders = [
-        PackedDataLoader(tokenizer, dataset, seq_len, global_batch, local_batch, r, dp_degree)
-        for r in range(dp_degree)
+        PackedDataLoader(tokenizer, dataset, seq_len, global_batch, local_batch, r, dp_degree) for r in range(dp_degree)
     ]
     if state is not None:
         for loader in loaders:
@@ -208,7 +182,7 @@ def test_bad_datasets_name_config_key(tmp_path):
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match=r"training\.dataset = .*cannot read"):
         list(load_documents(str(tmp_path / "bad.jsonl")))
-    # Offline (see offline_hub), a hub name fails at once instead of retrying for a while.
+    # Offline (conftest's offline_hub), a hub name fails at once instead of retrying for a while.
     with pytest.raises(ValueError, match=r"training\.dataset = 'no-such-owner/no-such-dataset'.*Hugging Face Hub"):
         load_documents("no-such-owner/no-such-dataset")
 
@@ -245,9 +219,13 @@ def test_packing_shapes_shift_and_specials(tiny_jsonl):
     assert torch.equal(tokens.view(3, 4, 17), ref)
 
 
-def test_batch_divisibility_error(tiny_jsonl):
-    with pytest.raises(ValueError, match=r"training\.global_batch_size \(6\).*training\.local_batch_size \(2\).*\(2\)"):
-        PackedDataLoader(ByteTokenizer(), str(tiny_jsonl), 8, 6, 2, 0, 2)
+def test_batch_divisibility_error():
+    from titanlite.config import load
+    from titanlite.plan import accumulation_steps
+
+    cfg = load(["--training.global_batch_size", "6", "--training.local_batch_size", "2"])
+    with pytest.raises(ValueError, match=r"training\.global_batch_size = 6 .*training\.local_batch_size = 2 .*= 4"):
+        accumulation_steps(cfg, 2)
 
 
 @pytest.mark.parametrize("dataset", ["builtin", "tiny"])

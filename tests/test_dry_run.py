@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite import dry_run
+from titanlite.cli import dry_run
 from titanlite.memory_estimate import fsdp_buffer_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,6 +24,7 @@ def _table(out: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^  (\w[\w ]*?)\s{2,}.*?([0-9.]+)$", out, re.M)}
 
 
+@pytest.mark.slow
 def test_launcher_dry_run_8b_hsdp_on_16_gpus():
     r = _launcher(["--config", "llama8b_hsdp", "--dry-run", "--dry-run-gpu-mem-gib", "80"])
     out = r.stdout
@@ -87,8 +88,13 @@ def test_dry_run_catches_the_runs_config_errors(capsys):
         assert code == 2 and needle in err, (argv, err)
 
 
-@pytest.mark.parametrize("policy, expected", [
-    ("default", (10 + 8) * 2 + 10 * (2 + 4)), ("never", (10 + 8 + 5) * 2 + 10 * (2 + 4)),
-    ("2", (10 + 8) * 2 + (10 + 8 + 5) * 2 // 2 + 10 * (2 + 4))])
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        ("default", (10 + 8) * 2 + 10 * (2 + 4)),
+        ("never", (10 + 8 + 5) * 2 + 10 * (2 + 4)),
+        ("2", (10 + 8) * 2 + (10 + 8 + 5) * 2 // 2 + 10 * (2 + 4)),
+    ],
+)
 def test_fsdp_buffer_bytes(policy, expected):
     assert fsdp_buffer_bytes([10, 5, 8], 2, 4, policy) == expected

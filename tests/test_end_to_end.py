@@ -5,18 +5,32 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args, env_extra=None, timeout=300):
     env = {**os.environ, "NGPU": "2", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
-    return subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_run_train_debug_config(tmp_path):
-    r = _run(["--config", "debug_model.toml", "--training.steps", "3", "--metrics.log_freq=1",
-              "--training.seq_len", "64", "--job.dump_folder", str(tmp_path)])
+    r = _run(
+        [
+            "--config",
+            "debug_model.toml",
+            "--training.steps",
+            "3",
+            "--metrics.log_freq=1",
+            "--training.seq_len",
+            "64",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     losses = [float(x) for x in re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)", out)]
@@ -27,9 +41,21 @@ def test_run_train_debug_config(tmp_path):
 def test_run_train_hsdp_override_and_config_file_env(tmp_path):
     cfg = tmp_path / "mine.toml"
     cfg.write_text((ROOT / "train_configs" / "debug_model.toml").read_text())
-    r = _run(["--parallelism.data_parallel_replicate_degree", "2", "--training.steps=2", "--metrics.log_freq=1",
-              "--model.flavor", "tiny", "--training.seq_len", "32", "--job.dump_folder", str(tmp_path)],
-             env_extra={"CONFIG_FILE": str(cfg)})
+    r = _run(
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--training.steps=2",
+            "--metrics.log_freq=1",
+            "--model.flavor",
+            "tiny",
+            "--training.seq_len",
+            "32",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        env_extra={"CONFIG_FILE": str(cfg)},
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "Replicate-only (DDP-like): replicate_size=2, shard_size=1" in out

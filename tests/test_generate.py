@@ -1,18 +1,16 @@
 """Sampling from a DCP checkpoint with the weights kept sharded (FSDP 2 and 4, HSDP 2x2) equals an unsharded process."""
 
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from dist_helpers import run_distributed
-from test_training import tiny_argv
+from helpers import ROOT, run_distributed, subprocess_env, tiny_argv
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
+
 PROMPTS = ["The function"]
 # (temperature, top_k, seed): greedy, and two sampled settings
 SETTINGS = [(0.0, 0, 0), (0.8, 20, 1), (1.0, 0, 2)]
@@ -20,23 +18,39 @@ NEW_TOKENS = 16
 
 
 def _train_argv(tmp):
-    return tiny_argv(tmp, "--training.seq_len", "64", "--training.steps", "40", "--metrics.log_freq", "20",
-                     "--training.local_batch_size", "8")
+    return tiny_argv(
+        tmp,
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        "40",
+        "--metrics.log_freq",
+        "20",
+        "--training.local_batch_size",
+        "8",
+    )
 
 
 def _generate_all(model, tokenizer, prompts=PROMPTS, settings=SETTINGS, new_tokens=NEW_TOKENS):
-    from titanlite.generate import generate
-    return {(p, s): generate(model, [tokenizer.bos_id, *tokenizer.encode(p)], new_tokens, temperature=s[0],
-                             top_k=s[1], seed=s[2]) for p in prompts for s in settings}
+    from titanlite.generation import generate
+
+    return {
+        (p, s): generate(
+            model, [tokenizer.bos_id, *tokenizer.encode(p)], new_tokens, temperature=s[0], top_k=s[1], seed=s[2]
+        )
+        for p in prompts
+        for s in settings
+    }
 
 
 def _sharded_samples(cfg, ckpt, mesh_shapes):
     """Tokens generated with the weights sharded over each (replicate, shard) mesh; every rank's result."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
-    from titanlite.data import build_tokenizer
-    from titanlite.generate import build_model, load_weights
+
+    from titanlite.data.tokenizers import build_tokenizer
     from titanlite.distributed import init_distributed
+    from titanlite.generation import inference_model, load_weights
     from titanlite.parallel_dims import ParallelDims
 
     init_distributed()
@@ -44,7 +58,7 @@ def _sharded_samples(cfg, ckpt, mesh_shapes):
     out = {}
     for replicate, shard in mesh_shapes:
         dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, world_size=dist.get_world_size())
-        model = build_model(cfg, tok.vocab_size, torch.device("cpu"), dims.build_mesh("cpu"))
+        model = inference_model(cfg, tok.vocab_size, torch.device("cpu"), dims.build_mesh("cpu"))
         assert isinstance(model.layers[0], FSDPModule)
         local = model.layers[0].attention.wq.weight.to_local().shape[0]
         load_weights(model, ckpt)
@@ -55,8 +69,9 @@ def _sharded_samples(cfg, ckpt, mesh_shapes):
 def _train_save_and_sample(argv, ckpt):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     from titanlite.config import load
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     t = Trainer(load(argv))
     losses = t.train()
@@ -76,8 +91,9 @@ def trained(tmp_path_factory):
 def _reference(argv, ckpt, **kw):
     """Unsharded: a plain Transformer in this process (no process group), the same DCP checkpoint."""
     import torch.distributed as dist
+
     from titanlite.config import load
-    from titanlite.data import build_tokenizer
+    from titanlite.data.tokenizers import build_tokenizer
 
     assert not dist.is_initialized()
     threads = torch.get_num_threads()
@@ -89,9 +105,9 @@ def _reference(argv, ckpt, **kw):
 
 
 def _reference_samples(cfg, tok, ckpt, **kw):
-    from titanlite.generate import build_model, load_weights
+    from titanlite.generation import inference_model, load_weights
 
-    model = build_model(cfg, tok.vocab_size, torch.device("cpu"))
+    model = inference_model(cfg, tok.vocab_size, torch.device("cpu"))
     if ckpt is None:
         model.init_weights(cfg.training.seed)
     else:
@@ -104,9 +120,13 @@ def test_sharded_generation_equals_unsharded(trained):
     argv = _train_argv(tmp)
     ref = _reference(argv, ckpt)
     from titanlite.config import load
+
     world4 = run_distributed(_sharded_samples, 4, load(argv), str(ckpt), [(1, 4), (2, 2)])
-    runs = {"fsdp2": [r[1][(1, 2)] for r in res], "fsdp4": [r[(1, 4)] for r in world4],
-            "hsdp2x2": [r[(2, 2)] for r in world4]}
+    runs = {
+        "fsdp2": [r[1][(1, 2)] for r in res],
+        "fsdp4": [r[(1, 4)] for r in world4],
+        "hsdp2x2": [r[(2, 2)] for r in world4],
+    }
     for name, per_rank in runs.items():
         shard = {"fsdp2": 2, "fsdp4": 4, "hsdp2x2": 2}[name]
         for local, samples in per_rank:
@@ -117,7 +137,8 @@ def test_sharded_generation_equals_unsharded(trained):
 
 def _bigram_nll(texts):
     """Mean negative log-likelihood per byte of `texts` under an add-one bigram model of the training corpus."""
-    from titanlite.data import builtin_corpus_path
+    from titanlite.data.builtin_corpus import builtin_corpus_path
+
     data = torch.frombuffer(bytearray(builtin_corpus_path("train").read_bytes()[:1_000_000]), dtype=torch.uint8)
     data = data.long()
     counts = torch.bincount(data[:-1] * 256 + data[1:], minlength=256 * 256).view(256, 256).double() + 1
@@ -132,7 +153,8 @@ def _bigram_nll(texts):
 
 def test_trained_sample_is_closer_to_training_text(trained):
     """After a short run the samples look like the corpus: mostly letters and spaces, likely under its bigrams."""
-    from titanlite.data import ByteTokenizer
+    from titanlite.data.tokenizers import ByteTokenizer
+
     tmp, ckpt, res = trained
     argv = _train_argv(tmp)
     losses = res[0][0]
@@ -140,11 +162,18 @@ def test_trained_sample_is_closer_to_training_text(trained):
     tok = ByteTokenizer()
     texts = {}
     for name, c in (("untrained", None), ("trained", ckpt)):
-        samples = _reference(argv, c, prompts=["The function", "Return the", "If the"],
-                             settings=[(0.8, 20, 1), (1.0, 0, 2)], new_tokens=64)
+        samples = _reference(
+            argv,
+            c,
+            prompts=["The function", "Return the", "If the"],
+            settings=[(0.8, 20, 1), (1.0, 0, 2)],
+            new_tokens=64,
+        )
         texts[name] = [tok.decode(ids) for ids in samples.values()]
-    letters = {k: sum(ch.isascii() and (ch.isalpha() or ch == " ") for t in v for ch in t) / sum(map(len, v))
-               for k, v in texts.items()}
+    letters = {
+        k: sum(ch.isascii() and (ch.isalpha() or ch == " ") for t in v for ch in t) / sum(map(len, v))
+        for k, v in texts.items()
+    }
     nll = {k: _bigram_nll(v) for k, v in texts.items()}
     print(letters, nll, texts["trained"])
     assert letters["trained"] > 0.75 and letters["trained"] > letters["untrained"] + 0.3, letters
@@ -155,14 +184,35 @@ def test_generate_cli_torchrun_matches_unsharded(trained):
     tmp, ckpt, _ = trained
     argv = _train_argv(tmp)
     ref = _reference(argv, ckpt)[(PROMPTS[0], SETTINGS[1])]
-    from titanlite.data import ByteTokenizer
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TITANLITE_DEVICE": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--local-ranks-filter", "0",
-           "-m", "titanlite.generate", "--config", "debug_model", *argv,
-           "--checkpoint", str(tmp / "checkpoint"),  # the root: the newest step-N is used
-           "--prompt", PROMPTS[0], "--max-new-tokens", str(NEW_TOKENS), "--temperature", str(SETTINGS[1][0]),
-           "--top-k", str(SETTINGS[1][1]), "--seed", str(SETTINGS[1][2])]
+    from titanlite.data.tokenizers import ByteTokenizer
+
+    env = subprocess_env()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--local-ranks-filter",
+        "0",
+        "-m",
+        "titanlite.generate",
+        "--config",
+        "debug_model",
+        *argv,
+        "--checkpoint",
+        str(tmp / "checkpoint"),  # the root: the newest step-N is used
+        "--prompt",
+        PROMPTS[0],
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--temperature",
+        str(SETTINGS[1][0]),
+        "--top-k",
+        str(SETTINGS[1][1]),
+        "--seed",
+        str(SETTINGS[1][2]),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert PROMPTS[0] + ByteTokenizer().decode(ref) in r.stdout, (r.stdout, ref)
@@ -172,13 +222,14 @@ def test_generate_cli_torchrun_matches_unsharded(trained):
 
 def test_checkpoint_errors(tmp_path, trained):
     from titanlite.config import ConfigError, load
-    from titanlite.generate import build_model, load_weights, resolve_checkpoint
+    from titanlite.generation import inference_model, load_weights, resolve_checkpoint
+
     _, ckpt, _ = trained
     assert resolve_checkpoint(str(ckpt.parent)) == ckpt
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_checkpoint(str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="neither a DCP checkpoint"):
         resolve_checkpoint(str(tmp_path))
-    model = build_model(load(["--model.flavor", "debugmodel"]), 258, torch.device("cpu"))
+    model = inference_model(load(["--model.flavor", "debugmodel"]), 258, torch.device("cpu"))
     with pytest.raises(ConfigError, match="does not fit the model of this config"):
         load_weights(model, ckpt)

@@ -5,21 +5,31 @@ loss curve match the default schedule, and the collectives that are skipped real
 """
 
 from collections import Counter
-import importlib.util
 
 import pytest
 import torch
 
-from dist_helpers import run_distributed
-from test_training import tiny_argv
+from helpers import run_distributed, tiny_argv
+
+pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
 
 MODES = ["every_microbatch", "delay_all_reduce", "last_microbatch_only"]
 
 
 def _argv(tmp, replicate, mode, *extra):
     # 3 microbatches of 1 sequence per rank at dp degree 4
-    argv = tiny_argv(tmp, "--training.local_batch_size", "1", "--training.global_batch_size", "12",
-                     "--training.steps", "4", "--parallelism.data_parallel_replicate_degree", str(replicate), *extra)
+    argv = tiny_argv(
+        tmp,
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "12",
+        "--training.steps",
+        "4",
+        "--parallelism.data_parallel_replicate_degree",
+        str(replicate),
+        *extra,
+    )
     if mode == "delay_all_reduce":
         return argv + ["--parallelism.hsdp_delay_all_reduce"]  # the shorthand users and configs use
     return argv + ["--parallelism.gradient_sync", mode]
@@ -46,7 +56,7 @@ def _collective_counter():
 def _run_mode(argv):
     """Train 4 steps: the full gradients seen by the first optimizer step, the collectives, the losses."""
     from titanlite.config import load
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     t = Trainer(load(argv))
     captured = {}
@@ -60,14 +70,25 @@ def _run_mode(argv):
     t.optimizer.step = capture_then_step
     with _collective_counter() as counter:
         losses = t.train()
-    return dict(grads=captured, counts=dict(counter.counts), losses=losses, mode=t.gradient_sync,
-                groups=t.num_sharded, grad_accum=t.grad_accum)
+    return dict(
+        grads=captured,
+        counts=dict(counter.counts),
+        losses=losses,
+        mode=t.gradient_sync,
+        groups=t.num_sharded,
+        grad_accum=t.grad_accum,
+    )
 
 
 def _all_modes(tmp):
     import torch.distributed as dist
-    out = {(rep, mode): _run_mode(_argv(tmp, rep, mode))
-           for rep in (2, 1) for mode in MODES if (rep, mode) != (1, "delay_all_reduce")}
+
+    out = {
+        (rep, mode): _run_mode(_argv(tmp, rep, mode))
+        for rep in (2, 1)
+        for mode in MODES
+        if (rep, mode) != (1, "delay_all_reduce")
+    }
     return out if dist.get_rank() == 0 else None
 
 
@@ -76,8 +97,9 @@ def world4_results(tmp_path_factory):
     return run_distributed(_all_modes, 4, tmp_path_factory.mktemp("gsync"))[0]
 
 
-@pytest.mark.parametrize("replicate, mode", [(2, "delay_all_reduce"), (2, "last_microbatch_only"),
-                                             (1, "last_microbatch_only")])
+@pytest.mark.parametrize(
+    "replicate, mode", [(2, "delay_all_reduce"), (2, "last_microbatch_only"), (1, "last_microbatch_only")]
+)
 def test_gradients_and_losses_equal_default(world4_results, replicate, mode):
     ref, got = world4_results[(replicate, "every_microbatch")], world4_results[(replicate, mode)]
     assert got["mode"] == mode and got["grad_accum"] == 3
@@ -113,23 +135,37 @@ def test_gradient_sync_config():
 
     assert gradient_sync_mode(load([]).parallelism) == "every_microbatch"
     assert gradient_sync_mode(load(["--parallelism.hsdp_delay_all_reduce"]).parallelism) == "delay_all_reduce"
-    assert gradient_sync_mode(load(["--parallelism.gradient_sync", "last_microbatch_only"]).parallelism) == \
-        "last_microbatch_only"
-    with pytest.raises(ConfigError, match=r"parallelism.gradient_sync = 'sometimes' is not valid.*last_microbatch_only"):
+    assert (
+        gradient_sync_mode(load(["--parallelism.gradient_sync", "last_microbatch_only"]).parallelism)
+        == "last_microbatch_only"
+    )
+    with pytest.raises(
+        ConfigError, match=r"parallelism.gradient_sync = 'sometimes' is not valid.*last_microbatch_only"
+    ):
         load(["--parallelism.gradient_sync", "sometimes"])
     with pytest.raises(ConfigError, match="hsdp_delay_all_reduce = true contradicts parallelism.gradient_sync"):
         load(["--parallelism.hsdp_delay_all_reduce", "--parallelism.gradient_sync", "last_microbatch_only"])
 
 
-@pytest.mark.parametrize("mode, replicate, shard, accum, applied, needle", [
-    ("delay_all_reduce", 2, 2, 3, "delay_all_reduce", "last of 3 microbatches"),
-    ("delay_all_reduce", 2, 1, 2, "delay_all_reduce", "last of 2 microbatches"),  # replicate-only has the all-reduce too
-    ("delay_all_reduce", 1, 4, 3, "every_microbatch", "has no effect"),  # FSDP: no replicas
-    ("delay_all_reduce", 2, 2, 1, "every_microbatch", "has no effect"),  # one microbatch
-    ("last_microbatch_only", 1, 4, 3, "last_microbatch_only", "unsharded gradients"),
-    ("last_microbatch_only", 2, 2, 1, "every_microbatch", "has no effect"),
-    ("every_microbatch", 2, 2, 3, "every_microbatch", None),
-])
+@pytest.mark.parametrize(
+    "mode, replicate, shard, accum, applied, needle",
+    [
+        ("delay_all_reduce", 2, 2, 3, "delay_all_reduce", "last of 3 microbatches"),
+        (
+            "delay_all_reduce",
+            2,
+            1,
+            2,
+            "delay_all_reduce",
+            "last of 2 microbatches",
+        ),  # replicate-only has the all-reduce too
+        ("delay_all_reduce", 1, 4, 3, "every_microbatch", "has no effect"),  # FSDP: no replicas
+        ("delay_all_reduce", 2, 2, 1, "every_microbatch", "has no effect"),  # one microbatch
+        ("last_microbatch_only", 1, 4, 3, "last_microbatch_only", "unsharded gradients"),
+        ("last_microbatch_only", 2, 2, 1, "every_microbatch", "has no effect"),
+        ("every_microbatch", 2, 2, 3, "every_microbatch", None),
+    ],
+)
 def test_gradient_sync_plan(mode, replicate, shard, accum, applied, needle):
     from titanlite.parallel_dims import ParallelDims
     from titanlite.parallelize import gradient_sync_plan
@@ -139,12 +175,13 @@ def test_gradient_sync_plan(mode, replicate, shard, accum, applied, needle):
     assert (line is None) if needle is None else (needle in line)
 
 
-# ---------------------------------------------------------------- resume in the middle (needs issue 3)
+# ---------------------------------------------------------------- resume in the middle
+
 
 def _train_and_resume(tmp, mode):
     """6 steps in one go; then 3 steps with a checkpoint and a second run that resumes and does 3 more."""
     from titanlite.config import load
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     # constant lr after warmup, so a run of 3 steps has the schedule of a run of 6
     common = ["--lr_scheduler.decay_type", "constant"]
@@ -155,8 +192,6 @@ def _train_and_resume(tmp, mode):
     return straight, first, second
 
 
-@pytest.mark.skipif(importlib.util.find_spec("titanlite.checkpoint") is None,
-                    reason="needs titanlite.checkpoint (issue 3, sharded checkpoints)")
 @pytest.mark.parametrize("mode", ["delay_all_reduce", "last_microbatch_only"])
 def test_resume_in_the_middle_is_exact(tmp_path, mode):
     straight, first, second = run_distributed(_train_and_resume, 4, tmp_path, mode)[0]

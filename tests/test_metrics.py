@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import run_distributed
-from test_training import tiny_argv
-
+from helpers import run_distributed, tiny_argv
 
 # ----------------------------------------------------------------------------- FLOPs and peak table
 
@@ -58,10 +56,20 @@ def test_param_counts_match_the_model(flavor):
 def test_peak_flops_table():
     from titanlite.flops import peak_flops
 
-    cases = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-             "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
-             "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA B200": 2.25e15, "NVIDIA L40S": 362e12, "NVIDIA L4": 121e12,
-             "NVIDIA A10G": 70e12, "AMD Instinct MI300X": 1307e12}
+    cases = {
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA H100 NVL": 835e12,
+        "NVIDIA H200": 989e12,
+        "NVIDIA GH200 480GB": 989e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "NVIDIA A100 80GB PCIe": 312e12,
+        "NVIDIA B200": 2.25e15,
+        "NVIDIA L40S": 362e12,
+        "NVIDIA L4": 121e12,
+        "NVIDIA A10G": 70e12,
+        "AMD Instinct MI300X": 1307e12,
+    }
     for name, value in cases.items():
         assert peak_flops(name) == value, name
     assert peak_flops(None) is None and peak_flops("Some CPU") is None
@@ -71,13 +79,35 @@ def test_peak_flops_table():
 def test_step_line_format():
     from titanlite.metrics import StepMetrics, format_step_line
 
-    m = StepMetrics(step=7, loss=2.5, grad_norm=0.75, lr=1e-3, tokens_per_sec=12345.6, tflops=400.5, mfu=40.4955,
-                    memory={"max_allocated": 12.3456, "max_reserved": 14.0}, elapsed=3725.0, eta=59.6)
+    m = StepMetrics(
+        step=7,
+        loss=2.5,
+        grad_norm=0.75,
+        lr=1e-3,
+        tokens_per_sec=12345.6,
+        tflops=400.5,
+        mfu=40.4955,
+        memory={"max_allocated": 12.3456, "max_reserved": 14.0},
+        elapsed=3725.0,
+        eta=59.6,
+    )
     line = format_step_line(m)
-    assert line == ("step:     7  loss:   2.5000  grad_norm:  0.7500  lr: 1.000e-03  tps: 12,346  tflops: 400  "
-                    "mfu: 40.50%  mem: 12.35/14.00GiB  elapsed: 1:02:05  eta: 0:01:00")
-    cpu = StepMetrics(step=1, loss=5.0, grad_norm=1.0, lr=1e-4, tokens_per_sec=100.0, tflops=1e-4, mfu=None,
-                      memory={"rss": 0.5}, elapsed=1.0, eta=None)
+    assert line == (
+        "step:     7  loss:   2.5000  grad_norm:  0.7500  lr: 1.000e-03  tps: 12,346  tflops: 400  "
+        "mfu: 40.50%  mem: 12.35/14.00GiB  elapsed: 1:02:05  eta: 0:01:00"
+    )
+    cpu = StepMetrics(
+        step=1,
+        loss=5.0,
+        grad_norm=1.0,
+        lr=1e-4,
+        tokens_per_sec=100.0,
+        tflops=1e-4,
+        mfu=None,
+        memory={"rss": 0.5},
+        elapsed=1.0,
+        eta=None,
+    )
     assert "mfu: n/a  rss: 0.50GiB  elapsed: 0:00:01  eta: n/a" in format_step_line(cpu)
     assert set(cpu.scalars()) == {"loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "memory/rss_gib"}
 
@@ -101,13 +131,12 @@ def test_eta_is_mean_step_time_without_the_first_step(monkeypatch):
 # ----------------------------------------------------------------------------- one sharded run
 
 
-TITANLITE_DIRS = {Path(__file__).resolve().parent.parent / "titanlite",
-                  Path(__file__).resolve().parent.parent / "titanlite" / "models"}
+TITANLITE_DIR = Path(__file__).resolve().parent.parent / "titanlite"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _in_titanlite(filename: str) -> bool:
-    return Path(filename).resolve().parent in TITANLITE_DIRS
+    return TITANLITE_DIR in Path(filename).resolve().parents
 
 
 class HostSyncCounter:
@@ -118,8 +147,18 @@ class HostSyncCounter:
     (torch.tensor(..., device=...)) and blocking copies (.to(..., non_blocking=False)).
     """
 
-    READS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__", "__format__",
-             "__repr__")
+    READS = (
+        "item",
+        "tolist",
+        "numpy",
+        "cpu",
+        "__float__",
+        "__int__",
+        "__bool__",
+        "__index__",
+        "__format__",
+        "__repr__",
+    )
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -139,6 +178,7 @@ class HostSyncCounter:
                 if should_count(*args, **kwargs):
                     self._record(name)
                 return orig(*args, **kwargs)
+
             self._saved.append((owner, name, orig))
             setattr(owner, name, wrapper)
 
@@ -159,6 +199,7 @@ def _capture_logs():
     class Handler(logging.Handler):
         def emit(self, record):
             lines.append(record.getMessage())
+
     logging.getLogger("titanlite").addHandler(Handler())
     logging.getLogger("titanlite").setLevel(logging.INFO)
     return lines
@@ -167,11 +208,12 @@ def _capture_logs():
 def _observed_runs(argv_full, argv_quiet):
     """Run A: everything on, every step logged. Run B: sparse logging, syncs counted. Then checks on A's model."""
     import torch.distributed as dist
+
     from titanlite.config import load
-    from titanlite.data import build_tokenizer
+    from titanlite.data.tokenizers import build_tokenizer
+    from titanlite.memory_estimate import sharded_state_bytes
     from titanlite.models.llama import Transformer
-    from titanlite.summary import per_rank_bytes
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
     from titanlite.validate import Validator
 
     lines = _capture_logs()
@@ -183,17 +225,32 @@ def _observed_runs(argv_full, argv_quiet):
     plain = Transformer(a.model_args)
     plain.load_state_dict(full)
     single = Validator(a.cfg, build_tokenizer(""), dp_rank=0, dp_degree=1).evaluate(plain, torch.device("cpu"))
-    opt_bytes = sum(s.to_local().numel() * s.element_size() for st in a.optimizer.state.values()
-                    for k, s in st.items() if k in ("exp_avg", "exp_avg_sq"))
-    estimate = per_rank_bytes(a.model, a.dims.dp_shard, 2)
+    opt_bytes = sum(
+        s.to_local().numel() * s.element_size()
+        for st in a.optimizer.state.values()
+        for k, s in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+    estimate = sharded_state_bytes(a.model, 2)
     a_lines = list(lines)
 
     b = Trainer(load(argv_quiet))
     with HostSyncCounter(b) as counter:
         b_losses = b.train()
-    return dict(rank=dist.get_rank(), lines=a_lines, tb_dir=a.metrics.tb_dir, a_losses=a_losses,
-                a_val=a.val_losses, again=again, single=single, opt_bytes=opt_bytes, estimate=estimate,
-                b_losses=b_losses, b_val=b.val_losses, syncs=counter.calls)
+    return dict(
+        rank=dist.get_rank(),
+        lines=a_lines,
+        tb_dir=a.metrics.tb_dir,
+        a_losses=a_losses,
+        a_val=a.val_losses,
+        again=again,
+        single=single,
+        opt_bytes=opt_bytes,
+        estimate=estimate,
+        b_losses=b_losses,
+        b_val=b.val_losses,
+        syncs=counter.calls,
+    )
 
 
 def _printed_matches(printed: str, value: float) -> bool:
@@ -205,26 +262,57 @@ def _printed_matches(printed: str, value: float) -> bool:
     return abs(float(s) - value) <= unit / 2 * (1 + 1e-6) + 1e-6 * abs(value)
 
 
-STEP_TAGS = {"loss": "loss", "grad_norm": "grad_norm", "lr": "lr", "tps": "tokens_per_sec", "tflops": "tflops",
-             "mfu": "mfu_pct", "rss": "memory/rss_gib"}
+STEP_TAGS = {
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "tps": "tokens_per_sec",
+    "tflops": "tflops",
+    "mfu": "mfu_pct",
+    "rss": "memory/rss_gib",
+}
 
 
+@pytest.mark.slow
 def test_sharded_run_metrics_tensorboard_validation_profiling(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    full = tiny_argv(tmp_path / "a", "--training.steps", "8", "--metrics.enable_tensorboard",
-                     "--metrics.peak_flops", "1e12", "--validation.enable", "--validation.freq", "3",
-                     "--validation.steps", "2", "--profiling.enable_profiling", "--profiling.profile_freq", "3",
-                     "--profiling.enable_memory_snapshot")
-    quiet = tiny_argv(tmp_path / "b", "--training.steps", "8", "--metrics.log_freq", "4", "--validation.enable",
-                      "--validation.freq", "5", "--validation.steps", "1")
+    full = tiny_argv(
+        tmp_path / "a",
+        "--training.steps",
+        "8",
+        "--metrics.enable_tensorboard",
+        "--metrics.peak_flops",
+        "1e12",
+        "--validation.enable",
+        "--validation.freq",
+        "3",
+        "--validation.steps",
+        "2",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "3",
+        "--profiling.enable_memory_snapshot",
+    )
+    quiet = tiny_argv(
+        tmp_path / "b",
+        "--training.steps",
+        "8",
+        "--metrics.log_freq",
+        "4",
+        "--validation.enable",
+        "--validation.freq",
+        "5",
+        "--validation.steps",
+        "1",
+    )
     res = run_distributed(_observed_runs, 2, full, quiet)
     r0 = res[0]
 
     # Start-up summary and the step lines
     text = "\n".join(r0["lines"])
     assert "World size 2: data-parallel degree 2 (replicate 1 x shard 2)" in text
-    assert re.search(r"Model llama3 tiny: 131,648 parameters \(115,136 non-embedding\), 65,824 per rank", text)
+    assert re.search(r"Model llama3 tiny: 131,648 parameters \(115,136 non-embedding\), 65,824 on this rank", text)
     assert "Per-rank memory estimate: parameters 257.12 KiB + gradients 257.12 KiB + optimizer 514.25 KiB" in text
     assert "profiling.enable_memory_snapshot: skipped" in text
     step_lines = [ln for ln in r0["lines"] if ln.startswith("step:")]
@@ -262,7 +350,7 @@ def test_sharded_run_metrics_tensorboard_validation_profiling(tmp_path):
 
     # Per-rank memory estimate: the optimizer state really is what was estimated (tiny divides evenly by 2)
     for r in res:
-        assert r["opt_bytes"] == r["estimate"]["optimizer"]
+        assert r["opt_bytes"] == r["estimate"].optimizer
 
     # Profiler traces every 3 steps, from every rank
     for step in (3, 6):

@@ -4,15 +4,25 @@ import pytest
 
 from titanlite.config import ConfigError, Parallelism
 from titanlite.parallel_dims import ParallelDims
-from dist_helpers import run_distributed
+
+from helpers import run_distributed
 
 
-@pytest.mark.parametrize("replicate, shard, expect", [
-    (1, -1, (1, 4)), (1, 4, (1, 4)), (2, -1, (2, 2)), (2, 2, (2, 2)), (4, -1, (4, 1)), (4, 1, (4, 1)),
-])
+@pytest.mark.parametrize(
+    "replicate, shard, expect",
+    [
+        (1, -1, (1, 4)),
+        (1, 4, (1, 4)),
+        (2, -1, (2, 2)),
+        (2, 2, (2, 2)),
+        (4, -1, (4, 1)),
+        (4, 1, (4, 1)),
+    ],
+)
 def test_valid_world4(replicate, shard, expect):
-    d = ParallelDims.from_config(Parallelism(data_parallel_shard_degree=shard,
-                                             data_parallel_replicate_degree=replicate), 4)
+    d = ParallelDims.from_config(
+        Parallelism(data_parallel_shard_degree=shard, data_parallel_replicate_degree=replicate), 4
+    )
     assert (d.dp_replicate, d.dp_shard) == expect and d.dp_degree == 4
     assert d.fsdp == (replicate == 1)
     assert d.hsdp == (expect == (2, 2))
@@ -20,29 +30,46 @@ def test_valid_world4(replicate, shard, expect):
     assert d.mesh_dim_names == (("dp_shard",) if replicate == 1 else ("dp_replicate", "dp_shard"))
 
 
-@pytest.mark.parametrize("replicate, shard, needles", [
-    (1, 2, ["data_parallel_replicate_degree = 1", "data_parallel_shard_degree = 2", "world size is 4"]),
-    (2, 4, ["= 8", "world size is 4"]),
-    (3, -1, ["data_parallel_replicate_degree = 3", "world size 4", "1, 2, 4"]),
-    (0, -1, ["data_parallel_replicate_degree = 0"]),
-    (1, -2, ["data_parallel_shard_degree = -2"]),
-])
+@pytest.mark.parametrize(
+    "replicate, shard, needles",
+    [
+        (1, 2, ["data_parallel_replicate_degree = 1", "data_parallel_shard_degree = 2", "world size is 4"]),
+        (2, 4, ["= 8", "world size is 4"]),
+        (3, -1, ["data_parallel_replicate_degree = 3", "world size 4", "1, 2, 4"]),
+        (0, -1, ["data_parallel_replicate_degree = 0"]),
+        (1, -2, ["data_parallel_shard_degree = -2"]),
+    ],
+)
 def test_invalid_world4(replicate, shard, needles):
-    with pytest.raises(ConfigError) as e:
-        ParallelDims.from_config(Parallelism(data_parallel_shard_degree=shard,
-                                             data_parallel_replicate_degree=replicate), 4)
+    from titanlite.config import load
+    from titanlite.plan import resolve
+
+    with pytest.raises(ConfigError) as e:  # out-of-range degrees fail at load, the rest with the world size
+        resolve(
+            load(
+                [
+                    "--parallelism.data_parallel_shard_degree",
+                    str(shard),
+                    "--parallelism.data_parallel_replicate_degree",
+                    str(replicate),
+                ]
+            ),
+            4,
+        )
     for n in needles:
         assert n in str(e.value)
 
 
 def _mesh_info(replicate):
     from titanlite.distributed import init_distributed
+
     env = init_distributed()
     dims = ParallelDims.from_config(Parallelism(data_parallel_replicate_degree=replicate), env.world_size)
     mesh = dims.build_mesh("cpu")
     return tuple(mesh.mesh_dim_names), tuple(mesh.shape), mesh.get_coordinate()
 
 
+@pytest.mark.slow
 def test_build_mesh_world4():
     fsdp = run_distributed(_mesh_info, 4, 1)
     assert [r[:2] for r in fsdp] == [(("dp_shard",), (4,))] * 4

@@ -5,25 +5,9 @@ import math
 import pytest
 import torch
 
-from dist_helpers import run_distributed
+from helpers import make_trainer, run_distributed, tiny_argv, train_all
 
-
-def tiny_argv(tmp, *extra):
-    return ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "10",
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
-            "--job.dump_folder", str(tmp), *extra]
-
-
-def _trainer(argv):
-    from titanlite.config import load
-    from titanlite.train import Trainer
-    return Trainer(load(argv))
-
-
-def _train_all(argv_list):
-    """Train one run per argv in this process group; the losses of each."""
-    return [_trainer(argv).train() for argv in argv_list]
+pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
 
 
 def _sharding_facts(argv):
@@ -31,7 +15,7 @@ def _sharding_facts(argv):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    t = _trainer(argv)
+    t = make_trainer(argv)
     m = t.model
     blocks_sharded = all(isinstance(b, FSDPModule) for b in m.layers) and isinstance(m, FSDPModule)
     local = {n: p.to_local().clone() for n, p in m.named_parameters()}
@@ -39,14 +23,23 @@ def _sharding_facts(argv):
     all_dtensor = all(isinstance(p, DTensor) for p in m.parameters())
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
-    return dict(blocks_sharded=blocks_sharded, all_dtensor=all_dtensor, local_shape={n: tuple(v.shape) for n, v in local.items()},
-                full_shape=full_shape, gathered=gathered, shard=t.dims.dp_shard, rank=t.env.rank, groups=t.num_sharded)
+    return dict(
+        blocks_sharded=blocks_sharded,
+        all_dtensor=all_dtensor,
+        local_shape={n: tuple(v.shape) for n, v in local.items()},
+        full_shape=full_shape,
+        gathered=gathered,
+        shard=t.dims.dp_shard,
+        rank=t.env.rank,
+        groups=t.num_sharded,
+    )
 
 
 @pytest.mark.parametrize("replicate", [1, 2])
 def test_sharding_world4(tmp_path, replicate):
-    res = run_distributed(_sharding_facts, 4, tiny_argv(tmp_path, "--parallelism.data_parallel_replicate_degree",
-                                                        str(replicate)))
+    res = run_distributed(
+        _sharding_facts, 4, tiny_argv(tmp_path, "--parallelism.data_parallel_replicate_degree", str(replicate))
+    )
     r0 = res[0]
     shard = r0["shard"]
     assert shard == 4 // replicate
@@ -69,7 +62,7 @@ def test_sharding_world4(tmp_path, replicate):
 
 
 def _full_state(argv):
-    t = _trainer(argv)
+    t = make_trainer(argv)
     sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in t.model.state_dict().items()}
     return sd if t.env.rank == 0 else None
 
@@ -77,9 +70,11 @@ def _full_state(argv):
 def test_init_is_topology_invariant(tmp_path):
     argv = tiny_argv(tmp_path)
     ref = run_distributed(_full_state, 1, argv)[0]
-    others = [run_distributed(_full_state, 2, argv)[0],
-              run_distributed(_full_state, 4, argv)[0],
-              run_distributed(_full_state, 4, argv + ["--parallelism.data_parallel_replicate_degree", "2"])[0]]
+    others = [
+        run_distributed(_full_state, 2, argv)[0],
+        run_distributed(_full_state, 4, argv)[0],
+        run_distributed(_full_state, 4, argv + ["--parallelism.data_parallel_replicate_degree", "2"])[0],
+    ]
     for sd in others:
         assert sd.keys() == ref.keys()
         for k in ref:
@@ -91,25 +86,49 @@ def test_init_is_topology_invariant(tmp_path):
 
 def test_loss_parity_across_topologies(tmp_path):
     base = tiny_argv(tmp_path, "--training.global_batch_size", "8")
-    single, single_tied = run_distributed(_train_all, 1, [base + ["--training.local_batch_size", "8"],
-                                                          base + ["--training.local_batch_size", "8",
-                                                                  "--model.tie_embeddings"]])[0]
-    world4 = run_distributed(_train_all, 4, [
-        base + ["--training.local_batch_size", "2"],  # FSDP(4)
-        base + ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],  # HSDP
-        base + ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "4"],  # DDP
-        base + ["--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "2",
-                "--parallelism.hsdp_delay_all_reduce"],  # HSDP, 2 microbatches, delayed all-reduce
-        base + ["--training.local_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "2"],
-        base + ["--training.local_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "never"],
-        base + ["--training.local_batch_size", "2", "--training.enable_cpu_offload"],
-        base + ["--training.local_batch_size", "2", "--model.tie_embeddings"],
-    ])[0]
-    fsdp2_accum = run_distributed(_train_all, 2, [base + ["--training.local_batch_size", "2"]])[0][0]
+    single, single_tied = run_distributed(
+        train_all,
+        1,
+        [
+            base + ["--training.local_batch_size", "8"],
+            base + ["--training.local_batch_size", "8", "--model.tie_embeddings"],
+        ],
+    )[0]
+    world4 = run_distributed(
+        train_all,
+        4,
+        [
+            base + ["--training.local_batch_size", "2"],  # FSDP(4)
+            base + ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],  # HSDP
+            base + ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "4"],  # DDP
+            base
+            + [
+                "--training.local_batch_size",
+                "1",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.hsdp_delay_all_reduce",
+            ],  # HSDP, 2 microbatches, delayed all-reduce
+            base + ["--training.local_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "2"],
+            base + ["--training.local_batch_size", "2", "--parallelism.fsdp_reshard_after_forward", "never"],
+            base + ["--training.local_batch_size", "2", "--training.enable_cpu_offload"],
+            base + ["--training.local_batch_size", "2", "--model.tie_embeddings"],
+        ],
+    )[0]
+    fsdp2_accum = run_distributed(train_all, 2, [base + ["--training.local_batch_size", "2"]])[0][0]
     assert len(single) == 10
     assert single[10] < single[1]  # it trains
-    names = ["fsdp4", "hsdp2x2", "replicate4", "hsdp_delay", "reshard_to_2", "reshard_never", "cpu_offload",
-             "tied", "fsdp2_accum2"]
+    names = [
+        "fsdp4",
+        "hsdp2x2",
+        "replicate4",
+        "hsdp_delay",
+        "reshard_to_2",
+        "reshard_never",
+        "cpu_offload",
+        "tied",
+        "fsdp2_accum2",
+    ]
     for name, losses in zip(names, world4 + [fsdp2_accum]):
         ref = single_tied if name == "tied" else single
         for step in ref:
@@ -118,16 +137,25 @@ def test_loss_parity_across_topologies(tmp_path):
 
 
 def test_bf16_params_train(tmp_path):
-    argv = tiny_argv(tmp_path, "--training.mixed_precision_param", "bfloat16", "--training.steps", "15",
-                     "--training.local_batch_size", "4")
-    losses = run_distributed(_train_all, 2, [argv])[0][0]
+    argv = tiny_argv(
+        tmp_path,
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--training.steps",
+        "15",
+        "--training.local_batch_size",
+        "4",
+    )
+    losses = run_distributed(train_all, 2, [argv])[0][0]
     assert all(math.isfinite(v) for v in losses.values())
     assert losses[15] < losses[1] - 0.5
 
 
 def _diverge(argv):
     from titanlite.config import load
-    from titanlite.train import NonFiniteLossError, Trainer
+    from titanlite.errors import NonFiniteLossError
+    from titanlite.trainer import Trainer
+
     t = Trainer(load(argv))
     try:
         t.train()
@@ -138,8 +166,21 @@ def _diverge(argv):
 
 def test_non_finite_loss_stops_with_step(tmp_path):
     # an absurd learning rate without clipping blows the weights up within a few steps
-    msg = run_distributed(_diverge, 1, tiny_argv(tmp_path, "--optimizer.lr", "1e12", "--training.max_norm", "0",
-                                                  "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "5"))[0]
+    msg = run_distributed(
+        _diverge,
+        1,
+        tiny_argv(
+            tmp_path,
+            "--optimizer.lr",
+            "1e12",
+            "--training.max_norm",
+            "0",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--metrics.log_freq",
+            "5",
+        ),
+    )[0]
     assert msg is not None and "non-finite at step" in msg
     step = int(msg.split("non-finite at step ")[1].split()[0])
     assert 1 <= step <= 10

@@ -10,6 +10,7 @@ from titanlite.config import ConfigError, load
 
 def test_held_out_source(tmp_path):
     from titanlite.validate import held_out_source
+
     f = tmp_path / "train.txt"
     f.write_text("hello\n")
     assert held_out_source(load([])) == ("builtin", "validation")
@@ -21,38 +22,55 @@ def test_held_out_source(tmp_path):
         held_out_source(load(["--training.dataset", "owner/name", "--validation.dataset_split", "train"]))
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--validation.steps", "0"], "validation.steps = 0 is not valid; expected -1 (one pass) or a number > 0"),
-    (["--validation.freq", "0"], "validation.freq = 0"),
-    (["--profiling.profile_freq", "0"], "profiling.profile_freq = 0"),
-    (["--metrics.peak_flops", "-1"], "metrics.peak_flops = -1.0"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--validation.steps", "0"], "validation.steps = 0 is not valid; expected -1 (one pass) or a number > 0"),
+        (["--validation.freq", "0"], "validation.freq = 0"),
+        (["--profiling.profile_freq", "0"], "profiling.profile_freq = 0"),
+        (["--metrics.peak_flops", "-1"], "metrics.peak_flops = -1.0"),
+    ],
+)
 def test_bad_values(argv, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load(argv)
 
 
 def test_missing_held_out_file_names_validation(tmp_path):
-    from titanlite.data import ByteTokenizer
+    from titanlite.data.tokenizers import ByteTokenizer
     from titanlite.validate import Validator
-    cfg = load(["--validation.enable", "--validation.dataset", str(tmp_path / "nope.txt"),
-                "--training.global_batch_size", "8"])
+
+    cfg = load(
+        ["--validation.enable", "--validation.dataset", str(tmp_path / "nope.txt"), "--training.global_batch_size", "8"]
+    )
     with pytest.raises(ConfigError, match=r"validation data .*nope.txt.*from validation.dataset.*no such file"):
         Validator(cfg, ByteTokenizer(), dp_rank=0, dp_degree=1)
 
 
 def test_one_pass_over_a_held_out_file(tmp_path):
-    from titanlite.data import ByteTokenizer
-    from titanlite.models import model_args
+    from titanlite.data.tokenizers import ByteTokenizer
     from titanlite.models.llama import Transformer
+    from titanlite.models.registry import model_args
     from titanlite.validate import Validator
 
     docs = [f"document number {i}: " + "some held-out text " * (i % 5 + 1) for i in range(40)]
     (tmp_path / "val.txt").write_text("\n".join(docs) + "\n")
     stream_tokens = sum(len(d.encode()) + 2 for d in docs)  # BOS + text + EOS
-    argv = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-            "--training.global_batch_size", "4", "--validation.enable", "--validation.dataset",
-            str(tmp_path / "val.txt"), "--validation.steps", "-1"]
+    argv = [
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--validation.enable",
+        "--validation.dataset",
+        str(tmp_path / "val.txt"),
+        "--validation.steps",
+        "-1",
+    ]
     cfg = load(argv)
     tok = ByteTokenizer()
     model = Transformer(model_args(cfg.model, tok.vocab_size, 32))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ def init_distributed() -> Env:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     local_rank = int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
     if device.type == "cuda":
@@ -72,8 +73,8 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def _free_port() -> int:
-    import socket
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a one-machine rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

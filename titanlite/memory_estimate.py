@@ -3,7 +3,7 @@
 Activations (a = bytes of the compute dtype, per token of a microbatch of B x S tokens), counted from
 what autograd saves in titanlite's Llama block (RMSNorm saves its input, 1/rms and the normalised
 input; SDPA saves q, k, v, its output and an fp32 logsumexp; SwiGLU saves w1, silu, w3 and their
-product); checked against torch's MemTracker on CPU in tests/test_memory_estimate.py:
+product); checked against torch's MemTracker on CPU in tests/test_activation_checkpoint.py:
 
     block, no AC             F = (8*dim + 2*kv_dim + 4*ffn_dim + 2) * a + 4*n_heads
     block, full AC           C = dim * a                                 (only the block's input)
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
+OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2}
 
 
 def block_activation_bytes(args, act_bytes: int) -> dict[str, int]:
@@ -75,13 +76,13 @@ class ShardedState:
     optimizer: int
 
 
-def sharded_state_bytes(model) -> ShardedState:
-    """Parameters (local shards, their own dtype), gradients (the same) and Adam's two moments (fp32)."""
+def sharded_state_bytes(model, optimizer_states: int = 2) -> ShardedState:
+    """This rank's parameters (local shards, their own dtype), gradients (the same) and optimizer states (fp32)."""
     params = optim = 0
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         params += local.numel() * local.element_size()
-        optim += 2 * local.numel() * 4
+        optim += optimizer_states * local.numel() * 4
     return ShardedState(params=params, grads=params, optimizer=optim)
 
 

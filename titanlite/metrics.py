@@ -24,8 +24,9 @@ GiB = 1024**3
 
 def setup_logging() -> None:
     """One format for every titanlite log line."""
-    logging.basicConfig(level=logging.INFO, format="[titanlite] %(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", force=True)
+    logging.basicConfig(
+        level=logging.INFO, format="[titanlite] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
+    )
 
 
 @dataclass
@@ -45,8 +46,13 @@ class StepMetrics:
 
     def scalars(self) -> dict[str, float]:
         """The TensorBoard scalars of this step, by tag."""
-        out = {"loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr,
-               "tokens_per_sec": self.tokens_per_sec, "tflops": self.tflops}
+        out = {
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "lr": self.lr,
+            "tokens_per_sec": self.tokens_per_sec,
+            "tflops": self.tflops,
+        }
         if self.mfu is not None:
             out["mfu_pct"] = self.mfu
         out.update({f"memory/{k}_gib": v for k, v in self.memory.items()})
@@ -56,8 +62,10 @@ class StepMetrics:
 def memory_stats(device: torch.device) -> dict[str, float]:
     """GiB in use: the CUDA caching allocator's peaks since the last call (then reset), or the process RSS."""
     if device.type == "cuda":
-        stats = {"max_allocated": torch.cuda.max_memory_allocated(device) / GiB,
-                 "max_reserved": torch.cuda.max_memory_reserved(device) / GiB}
+        stats = {
+            "max_allocated": torch.cuda.max_memory_allocated(device) / GiB,
+            "max_reserved": torch.cuda.max_memory_reserved(device) / GiB,
+        }
         torch.cuda.reset_peak_memory_stats(device)
         return stats
     return {"rss": _rss_bytes() / GiB}
@@ -92,9 +100,11 @@ def format_step_line(m: StepMetrics) -> str:
         mem = f"rss: {m.memory['rss']:.2f}GiB"
     else:
         mem = f"mem: {m.memory.get('max_allocated', 0.0):.2f}/{m.memory.get('max_reserved', 0.0):.2f}GiB"
-    return (f"step: {m.step:5d}  loss: {m.loss:8.4f}  grad_norm: {m.grad_norm:7.4f}  lr: {m.lr:.3e}  "
-            f"tps: {m.tokens_per_sec:,.0f}  tflops: {m.tflops:.3g}  mfu: {mfu}  {mem}  "
-            f"elapsed: {format_duration(m.elapsed)}  eta: {format_duration(m.eta)}")
+    return (
+        f"step: {m.step:5d}  loss: {m.loss:8.4f}  grad_norm: {m.grad_norm:7.4f}  lr: {m.lr:.3e}  "
+        f"tps: {m.tokens_per_sec:,.0f}  tflops: {m.tflops:.3g}  mfu: {mfu}  {mem}  "
+        f"elapsed: {format_duration(m.elapsed)}  eta: {format_duration(m.eta)}"
+    )
 
 
 class Throughput:
@@ -155,8 +165,17 @@ class MetricsLogger:
     """Prints the step line (every rank; torchrun's LOG_RANK filter picks what is shown) and, when enabled,
     writes the same values to TensorBoard under <dump_folder>/<save_tb_folder>/<run> (rank 0 only)."""
 
-    def __init__(self, metrics_cfg, dump_folder: str, rank: int, run_name: str | None = None, *,
-                 device: torch.device | None = None, flops_per_token: int = 0, total_steps: int = 0):
+    def __init__(
+        self,
+        metrics_cfg,
+        dump_folder: str,
+        rank: int,
+        run_name: str | None = None,
+        *,
+        device: torch.device | None = None,
+        flops_per_token: int = 0,
+        total_steps: int = 0,
+    ):
         self.rank = rank
         self.device = device or torch.device("cpu")
         self.flops_per_token = flops_per_token
@@ -166,7 +185,8 @@ class MetricsLogger:
         self.writer = None
         self.tb_dir = None
         if metrics_cfg.enable_tensorboard and rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is slow to import, often unused
+
             run = run_name or time.strftime("%Y%m%d-%H%M%S")
             self.tb_dir = os.path.join(dump_folder, metrics_cfg.save_tb_folder, run)
             self.writer = SummaryWriter(self.tb_dir)
@@ -191,9 +211,18 @@ class MetricsLogger:
         tps = self.throughput.rate()
         tflops = tps * self.flops_per_token / 1e12
         mfu = 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None
-        return StepMetrics(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens_per_sec=tps, tflops=tflops,
-                           mfu=mfu, memory=memory_stats(self.device), elapsed=self.timer.elapsed(),
-                           eta=self.timer.eta(step))
+        return StepMetrics(
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens_per_sec=tps,
+            tflops=tflops,
+            mfu=mfu,
+            memory=memory_stats(self.device),
+            elapsed=self.timer.elapsed(),
+            eta=self.timer.eta(step),
+        )
 
     def log(self, m: StepMetrics) -> str:
         """Print the step line and write the TensorBoard scalars; returns the line."""
@@ -206,8 +235,10 @@ class MetricsLogger:
 
     def log_validation(self, step: int, loss: float, perplexity: float, tokens: int, seconds: float) -> str:
         """Print the validation line and write validation/loss and validation/perplexity."""
-        line = (f"validation at step {step}: loss: {loss:8.4f}  perplexity: {perplexity:.3f}  "
-                f"({tokens:,} tokens, {seconds:.1f}s)")
+        line = (
+            f"validation at step {step}: loss: {loss:8.4f}  perplexity: {perplexity:.3f}  "
+            f"({tokens:,} tokens, {seconds:.1f}s)"
+        )
         logger.info(line)
         if self.writer is not None:
             self.writer.add_scalar("validation/loss", loss, step)

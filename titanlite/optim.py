@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule."""
+"""Optimizer, learning-rate schedule and gradient clipping."""
 
 from __future__ import annotations
 
@@ -11,8 +11,14 @@ from torch.optim.lr_scheduler import LambdaLR
 def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:
     """AdamW (or Adam) over the model's (sharded) parameters."""
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[opt_cfg.name]
-    return cls(model.parameters(), lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
-               weight_decay=opt_cfg.weight_decay, foreach=True)
+    return cls(
+        model.parameters(),
+        lr=opt_cfg.lr,
+        betas=(opt_cfg.beta1, opt_cfg.beta2),
+        eps=opt_cfg.eps,
+        weight_decay=opt_cfg.weight_decay,
+        foreach=True,
+    )
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, min_factor: float) -> float:
@@ -35,5 +41,18 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, m
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, sched_cfg, total_steps: int) -> LambdaLR:
     """A LambdaLR that follows lr_factor; its state_dict is the step count."""
-    return LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, sched_cfg.warmup_steps,
-                                                   sched_cfg.decay_type, sched_cfg.min_lr_factor))
+    return LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s, total_steps, sched_cfg.warmup_steps, sched_cfg.decay_type, sched_cfg.min_lr_factor),
+    )
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """The global gradient norm over all ranks (a plain tensor); clips to max_norm when it is > 0."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    # One all-reduce: clip_grad_norm_ would reduce the partial norm once to clip and again for full_tensor().
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.config import ConfigError
+from torch.distributed.device_mesh import init_device_mesh
+
+from titanlite.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -20,26 +22,24 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+    def from_config(cls, parallelism, world_size: int) -> ParallelDims:
         """Resolve -1 and check that replicate x shard equals the world size."""
         replicate = parallelism.data_parallel_replicate_degree
         shard = parallelism.data_parallel_shard_degree
-        if replicate < 1:
-            raise ConfigError(f"parallelism.data_parallel_replicate_degree = {replicate} must be >= 1")
         if shard == -1:
             if world_size % replicate:
                 raise ConfigError(
                     f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size "
                     f"{world_size}, so data_parallel_shard_degree = -1 cannot fill the rest; valid replicate "
-                    f"degrees: {', '.join(str(d) for d in _divisors(world_size))}")
+                    f"degrees: {', '.join(str(d) for d in _divisors(world_size))}"
+                )
             shard = world_size // replicate
-        elif shard < 1:
-            raise ConfigError(f"parallelism.data_parallel_shard_degree = {shard} must be -1 or >= 1")
         if replicate * shard != world_size:
             raise ConfigError(
                 f"parallelism.data_parallel_replicate_degree = {replicate} x data_parallel_shard_degree = {shard} "
                 f"= {replicate * shard}, but the world size is {world_size}; the product must equal the world size "
-                f"(set data_parallel_shard_degree = -1 to fill the rest)")
+                f"(set data_parallel_shard_degree = -1 to fill the rest)"
+            )
         return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size)
 
     @property
@@ -77,7 +77,6 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """The DeviceMesh over all ranks (the process group must exist)."""
-        from torch.distributed.device_mesh import init_device_mesh
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
 
 

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-logger = logging.getLogger("titanlite")
+from titanlite.dtypes import TORCH_DTYPES
 
-DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger("titanlite")
 
 
 def reshard_after_forward_policy(value: str, num_groups: int) -> list[bool | int]:
@@ -49,7 +49,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> int:
     """Shard each group from `model.shard_groups()` and then the root; returns the number of groups."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype])
     # Pinned host memory needs an accelerator; on a CPU-only mesh offloading is a no-op anyway.
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
     groups = model.shard_groups()
@@ -68,8 +68,10 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 def describe(num_groups: int, mesh: DeviceMesh, dims) -> list[str]:
     """The start-up log lines about the sharding (num_groups as returned by apply_fsdp)."""
-    return [dims.describe(), f"Sharded {num_groups} modules + root on mesh "
-            f"{tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}"]
+    return [
+        dims.describe(),
+        f"Sharded {num_groups} modules + root on mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}",
+    ]
 
 
 # The FSDPModule setter that each gradient_sync mode turns off before the last microbatch.
@@ -89,11 +91,14 @@ def gradient_sync_plan(mode: str, dims, grad_accum: int) -> tuple[str, str | Non
         return "every_microbatch", (
             "parallelism.gradient_sync = delay_all_reduce (hsdp_delay_all_reduce) has no effect: it needs "
             f"data_parallel_replicate_degree > 1 and more than one microbatch (have replicate {dims.dp_replicate}, "
-            f"{grad_accum} microbatch(es))")
+            f"{grad_accum} microbatch(es))"
+        )
     if mode == "last_microbatch_only":
         if grad_accum > 1:
-            return mode, (f"Gradient sync on the last of {grad_accum} microbatches only: unsharded gradients "
-                          "are held on every rank in between (ZeRO-2-like memory)")
+            return mode, (
+                f"Gradient sync on the last of {grad_accum} microbatches only: unsharded gradients "
+                "are held on every rank in between (ZeRO-2-like memory)"
+            )
         return "every_microbatch", "parallelism.gradient_sync = last_microbatch_only has no effect with one microbatch"
     return mode, None
 
@@ -187,17 +192,25 @@ def compile_problem(compile_cfg, device_type: str) -> str | None:
         return None
     if device_type == "cpu":
         try:
-            from torch._inductor.cpp_builder import get_cpp_compiler
+            from torch._inductor.cpp_builder import (
+                get_cpp_compiler,
+            )  # lazy: inductor is heavy, needed with compile only
+
             get_cpp_compiler()
         except Exception as e:  # inductor raises its own InvalidCxxCompiler
-            return (f"compile.enable = true with compile.backend = 'inductor' needs a C++ compiler on CPU and none "
-                    f"was found ({type(e).__name__}); install g++ or set CXX, use compile.backend = 'aot_eager', "
-                    f"or set compile.enable = false")
+            return (
+                f"compile.enable = true with compile.backend = 'inductor' needs a C++ compiler on CPU and none "
+                f"was found ({type(e).__name__}); install g++ or set CXX, use compile.backend = 'aot_eager', "
+                f"or set compile.enable = false"
+            )
     elif device_type == "cuda":
-        from torch.utils._triton import has_triton
+        from torch.utils._triton import has_triton  # lazy: as above
+
         if not has_triton():
-            return ("compile.enable = true with compile.backend = 'inductor' needs triton on GPUs and it is not "
-                    "installed; pip install triton, or set compile.enable = false")
+            return (
+                "compile.enable = true with compile.backend = 'inductor' needs triton on GPUs and it is not "
+                "installed; pip install triton, or set compile.enable = false"
+            )
     return None
 
 

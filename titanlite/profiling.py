@@ -30,8 +30,10 @@ class Profiler:
         self._prof = None
         self.snapshots = prof_cfg.enable_memory_snapshot and device.type == "cuda"
         if prof_cfg.enable_memory_snapshot and not self.snapshots:
-            logger.info(f"profiling.enable_memory_snapshot: skipped, CUDA memory snapshots need a GPU "
-                        f"(running on {device.type})")
+            logger.info(
+                f"profiling.enable_memory_snapshot: skipped, CUDA memory snapshots need a GPU "
+                f"(running on {device.type})"
+            )
         if prof_cfg.enable_profiling:
             freq = prof_cfg.profile_freq
             warmup = min(WARMUP_STEPS, freq - 1)
@@ -41,14 +43,16 @@ class Profiler:
             self._prof = torch.profiler.profile(
                 activities=activities,
                 # skip_first aligns the cycle with global steps: a resumed run traces steps freq, 2 freq, ...
-                schedule=torch.profiler.schedule(wait=freq - 1 - warmup, warmup=warmup, active=1,
-                                                 skip_first=-start_step % freq),
-                on_trace_ready=self._save_trace)
+                schedule=torch.profiler.schedule(
+                    wait=freq - 1 - warmup, warmup=warmup, active=1, skip_first=-start_step % freq
+                ),
+                on_trace_ready=self._save_trace,
+            )
             logger.info(f"Profiling every {freq} steps to {self.trace_dir}")
         if self.snapshots:
             logger.info(f"Memory snapshots every {prof_cfg.profile_freq} steps to {self.snapshot_dir}")
 
-    def start(self) -> "Profiler":
+    def start(self) -> Profiler:
         """Start recording (when enabled); returns self."""
         if self._prof is not None:
             self._prof.start()

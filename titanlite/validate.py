@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from titanlite.config import ConfigError, JobConfig
-from titanlite.data import PackedDataLoader
-
-IGNORE_INDEX = -100
+from titanlite.config import JobConfig
+from titanlite.data.packing import PackedDataLoader
+from titanlite.errors import ConfigError
+from titanlite.loss import counted_labels, summed_cross_entropy
 
 
 @dataclass
@@ -36,11 +35,13 @@ def held_out_source(cfg: JobConfig) -> tuple[str, str]:
     if t.dataset != "builtin" and Path(t.dataset).expanduser().exists():
         raise ConfigError(
             f"validation.dataset = '' would validate on training.dataset = {t.dataset!r} itself: a local "
-            f"file or folder has no held-out split; valid: set validation.dataset to a held-out file or folder")
+            f"file or folder has no held-out split; valid: set validation.dataset to a held-out file or folder"
+        )
     if t.dataset != "builtin" and v.dataset_split == t.dataset_split:
         raise ConfigError(
             f"validation.dataset_split = {v.dataset_split!r} is the training split of training.dataset = "
-            f"{t.dataset!r}; valid: a held-out split name of that dataset (e.g. 'validation' or 'test')")
+            f"{t.dataset!r}; valid: a held-out split name of that dataset (e.g. 'validation' or 'test')"
+        )
     return t.dataset, v.dataset_split
 
 
@@ -58,12 +59,21 @@ class Validator:
         t = cfg.training
         try:
             self.loader = PackedDataLoader(
-                tokenizer, dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
-                local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, split=split,
-                text_field=t.dataset_text_field, config_name=t.dataset_config)
+                tokenizer,
+                dataset,
+                seq_len=t.seq_len,
+                global_batch_size=t.global_batch_size,
+                local_batch_size=t.local_batch_size,
+                dp_rank=dp_rank,
+                dp_degree=dp_degree,
+                split=split,
+                text_field=t.dataset_text_field,
+                config_name=t.dataset_config,
+            )
         except ConfigError as e:  # the loader's messages name training.*: say that this is the held-out data
-            raise ConfigError(f"validation data {dataset!r} (split {split!r}, from validation.dataset = "
-                              f"{self.cfg.dataset!r}): {e}") from e
+            raise ConfigError(
+                f"validation data {dataset!r} (split {split!r}, from validation.dataset = {self.cfg.dataset!r}): {e}"
+            ) from e
         self._start = self.loader.state_dict()
 
     def due(self, step: int, last_step: int) -> bool:
@@ -97,19 +107,25 @@ class Validator:
                 inputs = inputs.to(device, non_blocking=True)
                 labels = labels.to(device, non_blocking=True)
                 logits = model(inputs)
-                totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                             reduction="sum", ignore_index=IGNORE_INDEX).double()
-                totals[1] += (labels != IGNORE_INDEX).sum()
+                totals[0] += summed_cross_entropy(logits, labels).double()
+                totals[1] += counted_labels(labels)
                 del logits
         if batches == 0:
-            raise ConfigError("validation.steps = -1: the held-out data is shorter than one global batch "
-                              "(training.global_batch_size x (training.seq_len + 1) tokens); use fewer or shorter sequences")
+            raise ConfigError(
+                "validation.steps = -1: the held-out data is shorter than one global batch "
+                "(training.global_batch_size x (training.seq_len + 1) tokens); use fewer or shorter sequences"
+            )
         if self.loader.dp_degree > 1:
             dist.all_reduce(totals)
         loss_sum, tokens = totals.tolist()
         loss = loss_sum / max(tokens, 1)
-        return ValidationResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=int(tokens),
-                                batches=batches, seconds=time.perf_counter() - t0)
+        return ValidationResult(
+            loss=loss,
+            perplexity=math.exp(min(loss, 700.0)),
+            tokens=int(tokens),
+            batches=batches,
+            seconds=time.perf_counter() - t0,
+        )
 
 
 def build_validator(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int) -> Validator | None:

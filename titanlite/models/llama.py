@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +50,12 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), rope)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -141,10 +145,10 @@ class Transformer(nn.Module):
         if name.endswith("norm.weight"):
             return lambda t, g: t.fill_(1.0)
         if name == "tok_embeddings.weight":
-            std = a.dim ** -0.5 if a.tie_embeddings else 1.0
+            std = a.dim**-0.5 if a.tie_embeddings else 1.0
             return lambda t, g: nn.init.normal_(t, 0.0, std, generator=g)
         if name == "output.weight":
-            std = a.dim ** -0.5
+            std = a.dim**-0.5
             return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=g)
         if name.startswith("layers."):
             layer_id = int(name.split(".")[1])

@@ -36,21 +36,63 @@ class LlamaArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def with_overrides(self, **kw) -> "LlamaArgs":
+    def with_overrides(self, **kw) -> LlamaArgs:
         return replace(self, **kw)
 
 
 LLAMA3_FLAVORS: dict[str, LlamaArgs] = {
     "debugmodel": LlamaArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, multiple_of=256),
     "tiny": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32),
-    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.5,
-                    multiple_of=256, tie_embeddings=True, max_seq_len=8192),
-    "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.0,
-                    multiple_of=256, tie_embeddings=True, max_seq_len=8192),
-    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
-                    multiple_of=1024, max_seq_len=8192),
-    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
-                     multiple_of=4096, max_seq_len=8192),
-    "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
-                      ffn_dim_multiplier=1.2, multiple_of=4096, max_seq_len=8192),
+    "1B": LlamaArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        tie_embeddings=True,
+        max_seq_len=8192,
+    ),
+    "3B": LlamaArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        tie_embeddings=True,
+        max_seq_len=8192,
+    ),
+    "8B": LlamaArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        max_seq_len=8192,
+    ),
+    "70B": LlamaArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        max_seq_len=8192,
+    ),
+    "405B": LlamaArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        max_seq_len=8192,
+    ),
 }

@@ -77,7 +77,7 @@ def split_documents(docs: list[str]) -> tuple[list[str], list[str]]:
 
 def generate_documents() -> list[str]:
     """Return all corpus documents (manual topics and stdlib docstrings), shuffled with a fixed seed."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # lazy: 0.8 MB of text, needed only to build the corpus once
 
     docs = [topics[key].strip() for key in sorted(topics)]
     docs += _stdlib_docstrings(pathlib.Path(sysconfig.get_paths()["stdlib"]))

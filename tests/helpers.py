@@ -1,0 +1,153 @@
+"""Shared test helpers: tiny configs, trainers, spawned gloo ranks, reading checkpoints and logs.
+
+Test modules import from here (and never from each other); fixtures live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from titanlite.distributed import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTS_DIR = Path(__file__).resolve().parent / "faults"
+
+
+def tiny_argv(tmp, *extra):
+    """10 fp32 steps of the tiny model at seq 32, logged every step, outputs under tmp."""
+    return [
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        "10",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--optimizer.lr",
+        "3e-3",
+        "--job.dump_folder",
+        str(tmp),
+        *extra,
+    ]
+
+
+def ckpt_argv(tmp, *extra):
+    """6 fp32 steps, global batch 8, checkpointing on under tmp."""
+    return tiny_argv(tmp, "--training.steps", "6", "--training.global_batch_size", "8", "--checkpoint.enable", *extra)
+
+
+def make_trainer(argv):
+    """A Trainer for these overrides (in a process group set up by run_distributed)."""
+    from titanlite.config import load
+    from titanlite.trainer import Trainer
+
+    return Trainer(load(argv))
+
+
+def train_all(argv_list):
+    """Train one run per argv in this process group; the logged losses of each."""
+    return [make_trainer(argv).train() for argv in argv_list]
+
+
+def full_model(trainer) -> dict:
+    """The trainer's model as full (unsharded) tensors; a collective, call on every rank."""
+    return {k: v.full_tensor() for k, v in trainer.model.state_dict().items()}
+
+
+def load_everything(path) -> dict:
+    """Everything a DCP checkpoint folder holds, loaded in this process."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd = {}
+    _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return sd
+
+
+def capture_logs() -> list[str]:
+    """Collect the titanlite log messages of this process from now on."""
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    log = logging.getLogger("titanlite")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return messages
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment for titanlite subprocesses: this checkout on PYTHONPATH, offline, CPU, one thread."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TITANLITE_DEVICE": "cpu",
+        **extra,
+    }
+
+
+def faults_env(spec: str, **extra) -> dict:
+    """subprocess_env plus fault injection (tests/faults/sitecustomize.py reads TITANLITE_FAULTS)."""
+    return subprocess_env(PYTHONPATH=f"{FAULTS_DIR}{os.pathsep}{ROOT}", TITANLITE_FAULTS=spec, **extra)
+
+
+def torchrun_cmd(*args, nproc=2, module="titanlite.train"):
+    """A `python -m torch.distributed.run` command line for nproc local ranks."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "localhost:0",
+        "-m",
+        module,
+        *args,
+    ]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, out_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TITANLITE_DEVICE="cpu",
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        result = fn(*args, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()  # leave together (see titanlite.distributed.shutdown)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_distributed(fn, world_size: int, *args, **kwargs) -> list:
+    """fn(*args, **kwargs) on world_size spawned ranks (env as torchrun sets it); returns each rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world_size, free_port(), fn, args, kwargs, out_dir), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,138 @@
+"""Packaging and layout: the wheel ships the configs and trains from an empty folder; the README's layout
+section lists every module; imports run one way."""
+
+import re
+import subprocess
+import sys
+import sysconfig
+import venv
+
+import pytest
+
+from helpers import ROOT, subprocess_env
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_trains_the_debug_config_from_an_empty_folder(tmp_path):
+    wheels = tmp_path / "wheels"
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = wheels.glob("titanlite-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    # torch and the other dependencies come from this interpreter's site-packages through a .pth line,
+    # which (unlike a site directory) runs none of that folder's .pth files: not the editable titanlite.
+    (site,) = (env_dir / "lib").glob("python*/site-packages")
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    r = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = subprocess_env()
+    env.pop("PYTHONPATH")
+    r = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "titanlite.train",
+            "--job.config_file",
+            "debug_model",
+            "--training.steps",
+            "2",
+            "--metrics.log_freq",
+            "1",
+            "--training.seq_len",
+            "32",
+            "--validation.enable",
+            "false",
+            "--checkpoint.enable",
+            "false",
+        ],
+        cwd=empty,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert re.search(r"step:\s+2\s+loss:", out), out[-3000:]
+    where = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import titanlite, titanlite.config as c; print(titanlite.__file__, "
+            "c.CONFIG_DIR, c.loader.shipped_configs())",
+        ],
+        cwd=empty,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert str(env_dir) in where.stdout and "debug_model.toml" in where.stdout, where.stdout + where.stderr
+
+
+def test_readme_layout_lists_every_module():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    for path in sorted((ROOT / "titanlite").rglob("*.py")):
+        if path.name != "__init__.py":
+            assert path.relative_to(ROOT).as_posix() in layout, path
+
+
+# Imports run one way: a module imports modules of its own layer or lower ones, never an entry point.
+LAYERS = [
+    ("errors",),
+    ("config", "models.registry", "models.llama_args"),
+    ("*",),  # components: models, data, checkpoint, parallelize, metrics, ...
+    ("plan",),
+    ("trainer",),
+    ("cli",),
+    ("train", "generate", "dry_run", "config.__main__", "checkpoint.__main__", "data.__main__"),  # shims
+]
+
+
+def _layer(module: str) -> int:
+    name = module.removeprefix("titanlite.")
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if name == prefix or name.startswith(prefix + ".") or prefix == "*":
+                if prefix != "*" and (best is None or len(prefix) > best[1]):
+                    best = (i, len(prefix))
+    return best[0] if best else 2
+
+
+def test_imports_run_one_way():
+    import ast
+
+    problems = []
+    for path in (ROOT / "titanlite").rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("titanlite"):
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                target = max(
+                    (
+                        t
+                        for t in targets
+                        if (ROOT / (t.replace(".", "/") + ".py")).exists() or (ROOT / t.replace(".", "/")).is_dir()
+                    ),
+                    key=len,
+                    default=node.module,
+                )
+                if _layer(target) > _layer(module):
+                    problems.append(f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})")
+    assert not problems, "\n".join(problems)

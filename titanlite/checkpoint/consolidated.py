@@ -1,0 +1,109 @@
+"""Model weights as one file: export a checkpoint's model to a consolidated state dict, read one back,
+and check that saved weights fit a model (shapes and names) before anything is loaded."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from titanlite.checkpoint.catalog import newest_usable, read_metadata, step_folders
+from titanlite.dtypes import TORCH_DTYPES
+from titanlite.errors import ConfigError
+
+
+def saved_shapes(metadata, prefix: str) -> dict[str, tuple | None]:
+    """Full shapes of the saved keys under prefix (None for a non-tensor value), prefix removed."""
+    out = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix):
+            out[key[len(prefix) :]] = tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
+    return out
+
+
+def model_prefix(metadata) -> str:
+    """ "model." for a titanlite checkpoint (top-level parts), "" for a plain model state dict."""
+    return "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
+
+
+def check_model_fits(model_sd: dict, saved: dict[str, tuple | None], source: str) -> None:
+    """ConfigError naming the first key whose saved shape differs from the model's (or is missing)."""
+    hint = "; was it saved with another model.flavor, model.vocab_size or model.tie_embeddings?"
+    for name, value in model_sd.items():
+        model_shape = tuple(value.shape)
+        if name not in saved:
+            raise ConfigError(
+                f"{source} does not fit the model: '{name}' (shape {model_shape} in the model) is "
+                f"not in the checkpoint{hint}"
+            )
+        if saved[name] != model_shape:
+            raise ConfigError(
+                f"{source} does not fit the model: '{name}' has shape {saved[name]} in the "
+                f"checkpoint but {model_shape} in the model{hint}"
+            )
+    extra = [k for k in saved if k not in model_sd]
+    if extra:
+        raise ConfigError(
+            f"{source} does not fit the model: the checkpoint has '{extra[0]}' (shape "
+            f"{saved[extra[0]]}), which the model does not{hint}"
+        )
+
+
+def load_consolidated(path: Path) -> dict[str, torch.Tensor]:
+    """A consolidated state-dict file ({fqn: tensor}, or {"model": {...}}), memory-mapped."""
+    try:
+        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise ConfigError(
+            f"checkpoint.initial_load_path = {str(path)!r} is not a readable state-dict file ({type(e).__name__}: {e})"
+        ) from None
+    if isinstance(sd, dict) and isinstance(sd.get("model"), dict):
+        sd = sd["model"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ConfigError(f"checkpoint.initial_load_path = {str(path)!r} does not hold a state dict of tensors")
+    return sd
+
+
+def resolve_step(checkpoint: Path) -> Path:
+    """A step-N folder as given, or the newest complete one in a checkpoint folder; ConfigError otherwise."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / ".metadata").exists() and step_folders(checkpoint):
+        info = newest_usable(checkpoint, {"model"})
+        if info is None:
+            raise ConfigError(f"--checkpoint {checkpoint}: no complete checkpoint in it")
+        checkpoint = info.path
+    return checkpoint
+
+
+def export(checkpoint: Path, output: Path, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Write the model of a DCP checkpoint (step-N, or the newest in a checkpoint folder) as one
+    consolidated file {fqn: tensor}, optionally cast to dtype; returns the state dict. One process."""
+    checkpoint = resolve_step(checkpoint)
+    try:
+        metadata = read_metadata(checkpoint)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--checkpoint {checkpoint} is not a usable DCP checkpoint: {e}") from None
+    prefix = model_prefix(metadata)
+    flat = {
+        k: torch.empty(md.size, dtype=md.properties.dtype)
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    if not flat:
+        raise ConfigError(f"--checkpoint {checkpoint} holds no model tensors")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+    cast = TORCH_DTYPES[dtype] if dtype else None
+    sd = {k[len(prefix) :]: (v.to(cast) if cast and v.is_floating_point() else v) for k, v in flat.items()}
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    torch.save(sd, tmp)
+    os.replace(tmp, output)
+    return sd

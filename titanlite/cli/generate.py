@@ -1,0 +1,112 @@
+"""`python -m titanlite.generate`: sample text from a checkpoint with the weights kept sharded.
+
+    torchrun --nproc_per_node 4 -m titanlite.generate --config debug_model --checkpoint outputs/debug/checkpoint \\
+        --prompt "The function" --max-new-tokens 100 [--temperature 0.8 --top-k 50 --seed 0] [--section.key value]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch.distributed as dist
+
+from titanlite.checkpoint.catalog import checkpoint_folder
+from titanlite.config import load
+from titanlite.data.tokenizers import build_tokenizer
+from titanlite.distributed import init_distributed, pick_device, shutdown, world_size_from_env
+from titanlite.errors import ConfigError
+from titanlite.generation import generate, inference_model, load_weights, resolve_checkpoint
+from titanlite.metrics import setup_logging
+from titanlite.parallel_dims import ParallelDims
+
+logger = logging.getLogger("titanlite")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This command's own arguments, and the rest (config overrides --section.key value)."""
+    p = argparse.ArgumentParser(
+        prog="python -m titanlite.generate",
+        allow_abbrev=False,
+        description="Sample text from a titanlite checkpoint; other --section.key value "
+        "arguments override the config as in training.",
+    )
+    p.add_argument("--config", default="debug_model", help="TOML config (a name in train_configs/ or a path)")
+    p.add_argument(
+        "--checkpoint",
+        default="",
+        help="a step-N DCP folder or the checkpoint root (newest step); default: "
+        "<dump_folder>/<checkpoint.folder>; 'none' = untrained initial weights",
+    )
+    p.add_argument("--prompt", default="", help="text to continue (the BOS token is always prepended)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (rank 0's draw is broadcast)")
+    p.add_argument(
+        "--stop-at-eos", action="store_true", help="stop at the end-of-text token (default: go on into a new document)"
+    )
+    return p.parse_known_args(argv)
+
+
+def run(argv: list[str]) -> str:
+    """Parse, load, generate; returns the completion (printed by main on rank 0)."""
+    args, overrides = parse_args(argv)
+    if args.max_new_tokens < 0 or args.top_k < 0 or args.temperature < 0:
+        raise ConfigError(
+            f"--max-new-tokens {args.max_new_tokens}, --top-k {args.top_k} and --temperature "
+            f"{args.temperature} must be >= 0"
+        )
+    cfg = load(["--job.config_file", args.config, *overrides])
+    world = world_size_from_env()
+    dims = ParallelDims.from_config(cfg.parallelism, world) if world > 1 else None
+    ckpt_arg = args.checkpoint or str(checkpoint_folder(cfg))
+    checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg)
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+
+    if dims is None:  # one process: a plain, unsharded model and no process group
+        device, mesh = pick_device(0), None
+    else:
+        env = init_distributed()
+        device, mesh = env.device, dims.build_mesh(env.device.type)
+        logger.info(dims.describe() + ", weights gathered per block on demand")
+    model = inference_model(cfg, tokenizer.vocab_size, device, mesh)
+    if checkpoint is None:
+        model.init_weights(cfg.training.seed)
+        logger.info(f"Untrained weights (seed {cfg.training.seed})")
+    else:
+        load_weights(model, checkpoint)
+        logger.info(f"Loaded {checkpoint}")
+    prompt_ids = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
+    t0 = time.perf_counter()
+    new = generate(
+        model,
+        prompt_ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        eos_id=tokenizer.eos_id if args.stop_at_eos else None,
+    )
+    dt = time.perf_counter() - t0
+    logger.info(f"Generated {len(new)} tokens in {dt:.1f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s, no KV cache)")
+    return tokenizer.decode(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m titanlite.generate`."""
+    setup_logging()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, _ = parse_args(argv)
+        completion = run(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        shutdown()
+        return 2
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(args.prompt + completion, flush=True)
+    shutdown(wait_for_peers=True)
+    return 0

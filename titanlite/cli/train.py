@@ -1,0 +1,39 @@
+"""`python -m titanlite.train`: load the config, build the Trainer, train; exit 0, 1 (diverged) or 2 (config error)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from titanlite.config import load, to_toml
+from titanlite.distributed import shutdown
+from titanlite.errors import ConfigError, NonFiniteLossError
+from titanlite.metrics import setup_logging
+from titanlite.trainer import Trainer
+
+logger = logging.getLogger("titanlite")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train as the config says; returns the exit status."""
+    setup_logging()
+    try:
+        cfg = load(argv)
+        trainer = Trainer(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        shutdown()
+        return 2
+    try:
+        if cfg.job.print_config and trainer.env.rank == 0:
+            print(to_toml(cfg))
+        trainer.train()
+    except NonFiniteLossError as e:
+        logger.error(str(e))
+        shutdown()
+        return 1
+    except BaseException:
+        shutdown()
+        raise
+    shutdown(wait_for_peers=True)
+    return 0

@@ -1,0 +1,57 @@
+"""Job configuration: dataclass sections (`sections`), loaded from TOML and `--section.key value` overrides
+(`loader`), documented by `--help` and the README reference (`reference`). Imports no torch.
+
+`python -m titanlite.config [--world-size N] [overrides]` checks a configuration (titanlite.cli.check_config).
+"""
+
+from titanlite.config.loader import CONFIG_DIR, gradient_sync_mode, load, resolve_config_file, to_toml, validate
+from titanlite.config.reference import help_text, markdown_reference
+from titanlite.config.sections import (
+    CHECKPOINT_PARTS,
+    DTYPE_NAMES,
+    GRADIENT_SYNC,
+    SECTIONS,
+    ActivationCheckpoint,
+    Checkpoint,
+    Compile,
+    Job,
+    JobConfig,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallelism,
+    Profiling,
+    Training,
+    Validation,
+)
+from titanlite.errors import ConfigError
+
+__all__ = [
+    "CHECKPOINT_PARTS",
+    "CONFIG_DIR",
+    "DTYPE_NAMES",
+    "GRADIENT_SYNC",
+    "SECTIONS",
+    "ActivationCheckpoint",
+    "Checkpoint",
+    "Compile",
+    "ConfigError",
+    "Job",
+    "JobConfig",
+    "LRScheduler",
+    "Metrics",
+    "Model",
+    "Optimizer",
+    "Parallelism",
+    "Profiling",
+    "Training",
+    "Validation",
+    "gradient_sync_mode",
+    "help_text",
+    "load",
+    "markdown_reference",
+    "resolve_config_file",
+    "to_toml",
+    "validate",
+]

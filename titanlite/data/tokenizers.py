@@ -1,0 +1,119 @@
+"""Tokenizers: the built-in byte tokenizer and Hugging Face tokenizer.json files; `build_tokenizer` picks one."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Iterable
+
+import torch
+
+from titanlite.errors import ConfigError
+
+
+class ByteTokenizer:
+    """UTF-8 byte tokenizer: ids 0-255 are bytes, 256 is BOS and 257 is EOS. Needs no files."""
+
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        """Return the UTF-8 bytes of ``text`` as ids, without BOS/EOS."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Return the text of ``ids``, skipping BOS/EOS; invalid UTF-8 becomes U+FFFD."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` package.
+
+    BOS/EOS are taken from a ``tokenizer_config.json`` next to the file if it names
+    them, else from the first well-known special token the vocabulary has; a
+    tokenizer with a single ``<|endoftext|>``-style token uses it for both.
+    """
+
+    BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
+    EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
+
+    def __init__(self, path: str | os.PathLike):
+        try:
+            import tokenizers  # lazy: an optional package (pip install tokenizers)
+        except ImportError as e:
+            raise ImportError(
+                f"model.tokenizer_path = {str(path)!r} is a Hugging Face tokenizer, which needs the "
+                "`tokenizers` package: pip install tokenizers (or set model.tokenizer_path = '' "
+                "for the built-in byte tokenizer)"
+            ) from e
+        self.path = pathlib.Path(path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:
+            raise ConfigError(f"model.tokenizer_path = {str(path)!r} is not a valid tokenizer.json: {e}") from e
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        named = self._config_special_tokens()
+        self.bos_id = self._find_special("bos", named.get("bos_token"), self.BOS_CANDIDATES)
+        self.eos_id = self._find_special("eos", named.get("eos_token"), self.EOS_CANDIDATES)
+
+    def _config_special_tokens(self) -> dict[str, str]:
+        config = self.path.parent / "tokenizer_config.json"
+        if not config.is_file():
+            return {}
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        out = {}
+        for key in ("bos_token", "eos_token"):
+            token = data.get(key)
+            if isinstance(token, dict):  # AddedToken serialised as {"content": ...}
+                token = token.get("content")
+            if isinstance(token, str):
+                out[key] = token
+        return out
+
+    def _find_special(self, kind: str, configured: str | None, candidates: tuple[str, ...]) -> int:
+        for token in ((configured,) if configured else ()) + candidates:
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        raise ConfigError(
+            f"model.tokenizer_path = {str(self.path)!r}: found no {kind.upper()} token; "
+            f"expected one of {list(candidates)} in the vocabulary, or {kind}_token in a "
+            "tokenizer_config.json next to it"
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Return the token ids of ``text``, without BOS/EOS."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Return the text of ``ids``, skipping special tokens."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        specials = (self.bos_id, self.eos_id)
+        return self._tok.decode([i for i in ids if i not in specials], skip_special_tokens=True)
+
+
+def build_tokenizer(path: str) -> ByteTokenizer | HFTokenizer:
+    """Return the tokenizer for ``model.tokenizer_path``.
+
+    ``""`` gives the built-in ByteTokenizer; a tokenizer.json file, or a directory
+    holding one, gives an HFTokenizer.
+    """
+    if not path:
+        return ByteTokenizer()
+    valid = "'' (built-in byte tokenizer), a tokenizer.json file, or a directory containing tokenizer.json"
+    file = pathlib.Path(path).expanduser()
+    if file.is_dir():
+        if not (file / "tokenizer.json").is_file():
+            raise ConfigError(f"model.tokenizer_path = {path!r} is a directory without tokenizer.json; valid: {valid}")
+        file = file / "tokenizer.json"
+    elif not file.is_file():
+        raise ConfigError(f"model.tokenizer_path = {path!r} does not exist; valid: {valid}")
+    return HFTokenizer(file)

@@ -1,0 +1,14 @@
+"""The errors titanlite reports to users; this module imports nothing of titanlite."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration or its inputs: the message names the key, the value and what is valid.
+
+    Entry points print it as one line (`config error: ...`) and exit with status 2.
+    """
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite."""

@@ -1,0 +1,43 @@
+"""The one place that builds a model for a plan: on the meta device, then activation checkpointing,
+compile and FSDP, in that order (training); or sharded for inference with every block resharded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titanlite.config import JobConfig
+from titanlite.models.registry import model_class
+from titanlite.parallelize import apply_ac, apply_compile, apply_fsdp
+
+
+@dataclass
+class BuiltModel:
+    model: torch.nn.Module
+    ac_blocks: list[int]  # indices of the activation-checkpointed blocks
+    compiled: int  # blocks compiled
+    num_sharded: int  # fully_shard units besides the root
+
+
+def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> BuiltModel:
+    """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
+
+    Training applies [activation_checkpoint], [compile] and FSDP with the configured reshard policy;
+    inference applies only FSDP, resharding every block after its forward (weights gathered on demand).
+    """
+    with torch.device("meta"):
+        model = model_class(cfg.model.name)(args)
+    ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
+    compiled = 0 if inference else apply_compile(model, cfg.compile)
+    num_sharded = 0
+    if mesh is not None:
+        num_sharded = apply_fsdp(
+            model,
+            mesh,
+            param_dtype=cfg.training.mixed_precision_param,
+            reduce_dtype=cfg.training.mixed_precision_reduce,
+            reshard_after_forward="always" if inference else cfg.parallelism.fsdp_reshard_after_forward,
+            cpu_offload=cfg.training.enable_cpu_offload and not inference,
+        )
+    return BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=num_sharded)

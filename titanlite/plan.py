@@ -1,0 +1,105 @@
+"""What a configuration resolves to for one world size, before any process group exists.
+
+`validate_for_world` runs every check a run makes before it starts (degrees, batch sizes, tokenizer,
+model shape, data, activation checkpointing, compile); the Trainer, the launcher's pre-check
+(`python -m titanlite.config --world-size N`) and the dry run all call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlite.checkpoint.catalog import preflight
+from titanlite.config import JobConfig
+from titanlite.data.packing import PackedDataLoader
+from titanlite.data.tokenizers import build_tokenizer
+from titanlite.errors import ConfigError
+from titanlite.models.llama_args import LlamaArgs
+from titanlite.models.registry import model_args
+from titanlite.parallel_dims import ParallelDims
+from titanlite.parallelize import compile_problem
+from titanlite.validate import Validator, build_validator
+
+
+def accumulation_steps(cfg: JobConfig, dp_degree: int) -> int:
+    """Microbatches per optimizer step, from the global and local batch sizes and the dp degree."""
+    t = cfg.training
+    per_pass = t.local_batch_size * dp_degree
+    if t.global_batch_size % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size} is not a multiple of training.local_batch_size "
+            f"= {t.local_batch_size} x data-parallel degree {dp_degree} = {per_pass}; "
+            f"valid: any multiple of {per_pass}"
+        )
+    return t.global_batch_size // per_pass
+
+
+def resolve(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """Checks that need the world size; fills training.global_batch_size = -1."""
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    if cfg.training.global_batch_size == -1:
+        cfg.training.global_batch_size = cfg.training.local_batch_size * dims.dp_degree
+    accumulation_steps(cfg, dims.dp_degree)
+    raf = cfg.parallelism.fsdp_reshard_after_forward
+    if raf.isdigit() and dims.dp_shard % int(raf):
+        raise ConfigError(
+            f"parallelism.fsdp_reshard_after_forward = {raf} must divide the shard degree "
+            f"{dims.dp_shard}; valid: default, always, never or a divisor of {dims.dp_shard}"
+        )
+    return dims
+
+
+@dataclass
+class RunPlan:
+    """What a configuration resolves to for one world size, built before any process group."""
+
+    dims: ParallelDims
+    grad_accum: int
+    tokenizer: object
+    model_args: LlamaArgs
+    dataloader: PackedDataLoader
+    validator: Validator | None
+
+
+def validate_for_world(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str | None = "cpu") -> RunPlan:
+    """Every check a run makes before its process group, as ConfigError; returns the plan.
+
+    device_type is the device the run computes on; None (the dry run, on another machine) skips the
+    checks of this machine's software (a compiler for torch.compile) and of the job's folders.
+    """
+    dims = resolve(cfg, world_size)
+    if device_type is not None:
+        preflight(cfg)
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} checkpoints no "
+            f"block of the {args.n_layers}; valid: 'op' or an integer from 1 to {args.n_layers}"
+        )
+    problem = compile_problem(cfg.compile, device_type) if device_type else None
+    if problem:
+        raise ConfigError(problem)
+    t = cfg.training
+    dataloader = PackedDataLoader(
+        tokenizer,
+        t.dataset,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        local_batch_size=t.local_batch_size,
+        dp_rank=rank,
+        dp_degree=dims.dp_degree,
+        split=t.dataset_split,
+        text_field=t.dataset_text_field,
+        config_name=t.dataset_config,
+    )
+    validator = build_validator(cfg, tokenizer, rank, dims.dp_degree)
+    return RunPlan(
+        dims=dims,
+        grad_accum=accumulation_steps(cfg, dims.dp_degree),
+        tokenizer=tokenizer,
+        model_args=args,
+        dataloader=dataloader,
+        validator=validator,
+    )

@@ -1,0 +1,211 @@
+"""The Trainer: builds a run from its plan (mesh, sharded model, optimizer, data, checkpoints) and trains;
+the training loop and nothing else."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.config import JobConfig, gradient_sync_mode
+from titanlite.distributed import init_distributed, pick_device, set_seed, world_size_from_env
+from titanlite.errors import NonFiniteLossError
+from titanlite.flops import flops_per_token
+from titanlite.loss import counted_labels, summed_cross_entropy
+from titanlite.metrics import MetricsLogger
+from titanlite.model_builder import build_model
+from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from titanlite.parallelize import describe, describe_ac_compile, gradient_sync_plan, microbatch_sync
+from titanlite.plan import validate_for_world
+from titanlite.profiling import Profiler
+from titanlite.summary import startup_lines
+
+logger = logging.getLogger("titanlite")
+
+
+@dataclass
+class StepOutput:
+    """Device tensors of one optimizer step; reading them (.item()) syncs with the device."""
+
+    loss_sum: torch.Tensor  # sum of token losses on this rank
+    global_tokens: torch.Tensor | int  # valid tokens in the whole global batch
+    grad_norm: torch.Tensor  # global gradient norm before clipping
+
+
+class Trainer:
+    """Builds the mesh, the sharded model, optimizer and data from a JobConfig, and trains."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        # Everything a user can get wrong is checked before the process group starts.
+        plan = validate_for_world(
+            cfg,
+            world_size_from_env(),
+            rank=int(os.environ.get("RANK", "0")),
+            device_type=pick_device(int(os.environ.get("LOCAL_RANK", "0"))).type,
+        )
+        self.dims, self.grad_accum, self.tokenizer = plan.dims, plan.grad_accum, plan.tokenizer
+        self.model_args, self.dataloader = plan.model_args, plan.dataloader
+        self.validator = plan.validator
+
+        self.env = init_distributed()
+        set_seed(cfg.training.seed, cfg.training.deterministic)
+        self.device = self.env.device
+        self.mesh = self.dims.build_mesh(self.device.type)
+
+        built = build_model(cfg, self.model_args, self.mesh)
+        self.model, self.num_sharded = built.model, built.num_sharded
+        self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
+        self.model.init_weights(cfg.training.seed)
+        for line in describe(self.num_sharded, self.mesh, self.dims) + startup_lines(
+            self.model, self.model_args, self.dims, cfg
+        ):
+            logger.info(line)
+        logger.info(
+            describe_ac_compile(cfg.activation_checkpoint, built.ac_blocks, built.compiled, self.model_args.n_layers)
+        )
+        self.gradient_sync, sync_line = gradient_sync_plan(
+            gradient_sync_mode(cfg.parallelism), self.dims, self.grad_accum
+        )
+        if sync_line:
+            logger.info(sync_line)
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.step = 0
+        self.tokens_seen = 0
+        # Step at which the loss first went non-finite (-1: never), kept on the device: no sync per step.
+        self._first_bad_step = torch.tensor(-1, device=self.device)
+        self.metrics = MetricsLogger(
+            cfg.metrics,
+            cfg.job.dump_folder,
+            self.env.rank,
+            device=self.device,
+            flops_per_token=flops_per_token(self.model_args, cfg.training.seq_len),
+            total_steps=cfg.training.steps,
+        )
+        self.losses: dict[int, float] = {}  # logged global loss per step
+        self.val_losses: dict[int, float] = {}  # validation loss per step
+        self.checkpointer = CheckpointManager(
+            cfg,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader,
+            train_state=self,
+            device=self.device,
+        )
+        self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
+
+    def train_step(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int | None = None
+    ) -> StepOutput:
+        """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule.
+
+        global_tokens: the valid labels in the whole global batch when the caller knows them (the data
+        loader does); None counts them with one all-reduce.
+        """
+        microbatches = [
+            (inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
+            for inputs, labels in microbatches
+        ]
+        if global_tokens is None:
+            # Counted on the device: a blocking host-to-device copy would be a host sync every step.
+            count = sum(counted_labels(labels) for _, labels in microbatches)
+            dist.all_reduce(count)
+            global_tokens = count.clamp(min=1)
+        else:
+            global_tokens = max(global_tokens, 1)
+        # FSDP averages gradients over the dp ranks; scaling by dp_degree makes the gradient that of
+        # (sum of token losses over the global batch) / (valid tokens in the global batch).
+        scale = self.dims.dp_degree / global_tokens
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(microbatches):
+            with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
+                logits = self.model(inputs)
+                token_loss_sum = summed_cross_entropy(logits, labels)
+                del logits
+                (token_loss_sum * scale).backward()
+            loss_sum += token_loss_sum.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        return StepOutput(loss_sum=loss_sum, global_tokens=global_tokens, grad_norm=grad_norm)
+
+    def global_loss(self, out: StepOutput) -> float:
+        """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
+        total = out.loss_sum.clone()
+        dist.all_reduce(total)
+        return (total / out.global_tokens).item()
+
+    def train(self) -> dict[int, float]:
+        """Train to training.steps; returns the logged loss per step."""
+        cfg = self.cfg
+        if self.step >= cfg.training.steps:
+            logger.info(
+                f"Already at step {self.step} of training.steps = {cfg.training.steps}: nothing to train "
+                f"(raise training.steps to go on, or use a new job.dump_folder to start over)"
+            )
+        logger.info(
+            f"Training {cfg.training.steps} steps: global batch {cfg.training.global_batch_size} x "
+            f"seq {cfg.training.seq_len}, {self.grad_accum} microbatch(es) of {cfg.training.local_batch_size}"
+            f" per rank, dp degree {self.dims.dp_degree}"
+        )
+        profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.step).start()
+        self.metrics.start()
+        try:
+            while self.step < cfg.training.steps:
+                self.step += 1
+                microbatches = self.dataloader.next_step()
+                lr = self.lr_scheduler.get_last_lr()[0]
+                out = self.train_step(microbatches, self.dataloader.global_valid_tokens)
+                local_tokens = sum(inp.numel() for inp, _ in microbatches)
+                self.tokens_seen += local_tokens * self.dims.dp_degree
+                self.metrics.step_done(self.step, local_tokens)
+                self._track_non_finite(out)
+                # Only logged steps read device values (host syncs) and all-reduce the loss.
+                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                    self.check_finite()
+                    loss = self.global_loss(out)
+                    self.losses[self.step] = loss
+                    self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr))
+                if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
+                    self.validate()
+                profiler.step(self.step)
+                if self.checkpointer.maybe_save(
+                    self.step, last=self.step == cfg.training.steps, before_save=self.check_finite
+                ):
+                    break  # preempted: every rank saved this step; exit 0 so the job can be requeued
+            profiler.stop()
+            self.check_finite()
+        finally:
+            self.checkpointer.close()  # waits for an async save and restores the signal handlers
+            self.metrics.close()
+        return self.losses
+
+    def validate(self) -> float:
+        """Loss on the held-out data (the same sequences every time); logged and written to TensorBoard."""
+        r = self.validator.evaluate(self.model, self.device)
+        self.val_losses[self.step] = r.loss
+        self.metrics.log_validation(self.step, r.loss, r.perplexity, r.tokens, r.seconds)
+        self.metrics.exclude_time(r.seconds)
+        return r.loss
+
+    def _track_non_finite(self, out: StepOutput) -> None:
+        bad = ~torch.isfinite(out.loss_sum) | ~torch.isfinite(out.grad_norm)
+        # A Python scalar, not torch.tensor(step, device=...): creating a device tensor from host data syncs.
+        self._first_bad_step.masked_fill_(bad & (self._first_bad_step < 0), self.step)
+
+    def check_finite(self) -> None:
+        """Raise NonFiniteLossError naming the first step whose loss or gradient norm was not finite."""
+        bad = int(self._first_bad_step.item())
+        if bad >= 0:
+            raise NonFiniteLossError(
+                f"the loss or gradient norm became non-finite at step {bad} (noticed at step {self.step}); "
+                f"try a lower optimizer.lr, more lr_scheduler.warmup_steps or training.max_norm > 0"
+            )
