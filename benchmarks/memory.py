@@ -57,7 +57,7 @@ def _measure(opts, replicate: int) -> dict:
     params = list(t.model.parameters())
     full = sum(p.numel() * p.element_size() for p in params)  # a DTensor's shape is the full shape
     mine = {"parameters": sum(local_bytes(p) for p in params)}
-    inputs, labels = t.dataloader.next_step()[0]
+    inputs, labels, _ = t.dataloader.next_step().microbatches[0]
     F.cross_entropy(t.model(inputs.to(t.device)).flatten(0, 1), labels.to(t.device).flatten()).backward()
     mine["gradients"] = sum(local_bytes(p.grad) for p in params)
     t.optimizer.step()

@@ -15,6 +15,7 @@ def corpus_cache(tmp_path_factory):
     cache = os.environ.get("TITANLITE_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TITANLITE_CACHE", cache)
+        mp.setenv("HF_DATASETS_CACHE", os.path.join(cache, "hf_datasets"))  # datasets' Arrow copies of local files
         yield cache
 
 
@@ -31,5 +32,6 @@ def offline_hub():
             yield
             return
         mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", os.environ["HF_DATASETS_CACHE"])
         mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
         yield

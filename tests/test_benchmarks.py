@@ -78,3 +78,11 @@ def test_memory_is_total_over_shard_degree():
         ratios = values[2::3]  # params, grads, optimizer state
         assert all(1.0 <= r < 1.01 for r in ratios), (label, values)  # 1/shard, plus dim-0 padding
     assert rows["HSDP 2x2 (shard 2)"] == rows["FSDP shard 2"]
+
+
+def test_data_loader_benchmark_prints_the_ratio():
+    out = _bench(
+        "data_loader.py", "--seq-len", "64", "--dps", "1", "4", "--vocab", "400", "--reps", "1", "--build-copies", "1"
+    )
+    assert re.search(r"per-rank cost ratio dp4/dp1: [\d.]+", out), out
+    assert re.search(r"workers 2: [\d,]+ tokens in [\d.]+ s", out), out

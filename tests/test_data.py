@@ -31,9 +31,9 @@ def tiny_jsonl(tmp_path):
     return path
 
 
-def full_windows(microbatches):
-    """Rebuild the seq_len + 1 token windows from (inputs, labels) microbatches."""
-    return torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in microbatches])
+def full_windows(step):
+    """Rebuild the seq_len + 1 token windows from a step's microbatches."""
+    return torch.cat([torch.cat([mb.inputs, mb.labels[:, -1:]], dim=1) for mb in step.microbatches])
 
 
 def global_steps(dataset, steps, seq_len, global_batch, local_batch, dp_degree, state=None, tokenizer=None):
@@ -204,9 +204,9 @@ def test_packing_shapes_shift_and_specials(tiny_jsonl):
     loader = PackedDataLoader(tok, str(tiny_jsonl), 16, 8, 2, 1, 2)
     assert loader.accumulation_steps == 2
     steps = [loader.next_step() for _ in range(3)]
-    for microbatches in steps:
-        assert len(microbatches) == 2
-        for x, y in microbatches:
+    for step in steps:
+        assert len(step.microbatches) == 2
+        for x, y, _ in step.microbatches:
             assert x.shape == y.shape == (2, 16) and x.dtype == y.dtype == torch.int64
             assert torch.equal(x[:, 1:], y[:, :-1])
     tokens = torch.cat([full_windows(mbs) for mbs in steps])

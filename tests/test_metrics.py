@@ -210,6 +210,7 @@ def _observed_runs(argv_full, argv_quiet):
     import torch.distributed as dist
 
     from titanlite.config import load
+    from titanlite.data.build import build_loader
     from titanlite.data.tokenizers import build_tokenizer
     from titanlite.memory_estimate import sharded_state_bytes
     from titanlite.models.llama import Transformer
@@ -224,7 +225,8 @@ def _observed_runs(argv_full, argv_quiet):
     full = {k: v.full_tensor() for k, v in a.model.state_dict().items()}
     plain = Transformer(a.model_args)
     plain.load_state_dict(full)
-    single = Validator(a.cfg, build_tokenizer(""), dp_rank=0, dp_degree=1).evaluate(plain, torch.device("cpu"))
+    loader = build_loader(a.cfg, build_tokenizer(""), "validation", dp_rank=0, dp_degree=1)
+    single = Validator(a.cfg, loader).evaluate(plain, torch.device("cpu"))
     opt_bytes = sum(
         s.to_local().numel() * s.element_size()
         for st in a.optimizer.state.values()

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 
 from titanlite.checkpoint.catalog import preflight
 from titanlite.config import JobConfig
-from titanlite.data.packing import PackedDataLoader
+from titanlite.data.build import check_data
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.models.llama_args import LlamaArgs
 from titanlite.models.registry import model_args
 from titanlite.parallel_dims import ParallelDims
 from titanlite.parallelize import compile_problem
-from titanlite.validate import Validator, build_validator
 
 
 def accumulation_steps(cfg: JobConfig, dp_degree: int) -> int:
@@ -57,11 +56,9 @@ class RunPlan:
     grad_accum: int
     tokenizer: object
     model_args: LlamaArgs
-    dataloader: PackedDataLoader
-    validator: Validator | None
 
 
-def validate_for_world(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str | None = "cpu") -> RunPlan:
+def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None = "cpu") -> RunPlan:
     """Every check a run makes before its process group, as ConfigError; returns the plan.
 
     device_type is the device the run computes on; None (the dry run, on another machine) skips the
@@ -81,25 +78,5 @@ def validate_for_world(cfg: JobConfig, world_size: int, rank: int = 0, device_ty
     problem = compile_problem(cfg.compile, device_type) if device_type else None
     if problem:
         raise ConfigError(problem)
-    t = cfg.training
-    dataloader = PackedDataLoader(
-        tokenizer,
-        t.dataset,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        local_batch_size=t.local_batch_size,
-        dp_rank=rank,
-        dp_degree=dims.dp_degree,
-        split=t.dataset_split,
-        text_field=t.dataset_text_field,
-        config_name=t.dataset_config,
-    )
-    validator = build_validator(cfg, tokenizer, rank, dims.dp_degree)
-    return RunPlan(
-        dims=dims,
-        grad_accum=accumulation_steps(cfg, dims.dp_degree),
-        tokenizer=tokenizer,
-        model_args=args,
-        dataloader=dataloader,
-        validator=validator,
-    )
+    check_data(cfg, tokenizer)
+    return RunPlan(dims=dims, grad_accum=accumulation_steps(cfg, dims.dp_degree), tokenizer=tokenizer, model_args=args)

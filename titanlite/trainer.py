@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig, gradient_sync_mode
+from titanlite.data.build import build_loader
 from titanlite.distributed import init_distributed, pick_device, set_seed, world_size_from_env
 from titanlite.errors import NonFiniteLossError
 from titanlite.flops import flops_per_token
@@ -23,6 +24,7 @@ from titanlite.parallelize import describe, describe_ac_compile, gradient_sync_p
 from titanlite.plan import validate_for_world
 from titanlite.profiling import Profiler
 from titanlite.summary import startup_lines
+from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
 
@@ -43,19 +45,22 @@ class Trainer:
         self.cfg = cfg
         # Everything a user can get wrong is checked before the process group starts.
         plan = validate_for_world(
-            cfg,
-            world_size_from_env(),
-            rank=int(os.environ.get("RANK", "0")),
-            device_type=pick_device(int(os.environ.get("LOCAL_RANK", "0"))).type,
+            cfg, world_size_from_env(), device_type=pick_device(int(os.environ.get("LOCAL_RANK", "0"))).type
         )
         self.dims, self.grad_accum, self.tokenizer = plan.dims, plan.grad_accum, plan.tokenizer
-        self.model_args, self.dataloader = plan.model_args, plan.dataloader
-        self.validator = plan.validator
+        self.model_args = plan.model_args
 
         self.env = init_distributed()
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.device = self.env.device
         self.mesh = self.dims.build_mesh(self.device.type)
+        # Data: every dp rank reads its own sequences (the ranks build a missing token store together).
+        loader_args = dict(dp_rank=self.env.rank, dp_degree=self.dims.dp_degree, pin_memory=self.device.type == "cuda")
+        self.dataloader = build_loader(cfg, self.tokenizer, "training", **loader_args)
+        self.validator = None
+        if cfg.validation.enable:
+            self.validator = Validator(cfg, build_loader(cfg, self.tokenizer, "validation", **loader_args))
+        self.tokens_by_source = [0] * len(self.dataloader.names)
 
         built = build_model(cfg, self.model_args, self.mesh)
         self.model, self.num_sharded = built.model, built.num_sharded
@@ -101,17 +106,15 @@ class Trainer:
         )
         self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
 
-    def train_step(
-        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int | None = None
-    ) -> StepOutput:
+    def train_step(self, microbatches: list, global_tokens: int | None = None) -> StepOutput:
         """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule.
 
-        global_tokens: the valid labels in the whole global batch when the caller knows them (the data
-        loader does); None counts them with one all-reduce.
+        microbatches: (inputs, labels, ...) tuples, e.g. the loader's Microbatch. global_tokens: the
+        counted labels of the whole global batch when the caller knows them (the data loader does);
+        None counts them with one all-reduce.
         """
         microbatches = [
-            (inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
-            for inputs, labels in microbatches
+            (mb[0].to(self.device, non_blocking=True), mb[1].to(self.device, non_blocking=True)) for mb in microbatches
         ]
         if global_tokens is None:
             # Counted on the device: a blocking host-to-device copy would be a host sync every step.
@@ -161,11 +164,13 @@ class Trainer:
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
-                microbatches = self.dataloader.next_step()
+                data = self.dataloader.next_step()
                 lr = self.lr_scheduler.get_last_lr()[0]
-                out = self.train_step(microbatches, self.dataloader.global_valid_tokens)
-                local_tokens = sum(inp.numel() for inp, _ in microbatches)
+                out = self.train_step(data.microbatches, data.global_valid_tokens)
+                local_tokens = sum(mb.inputs.numel() for mb in data.microbatches)
                 self.tokens_seen += local_tokens * self.dims.dp_degree
+                for i, n in enumerate(data.sequences_by_source):
+                    self.tokens_by_source[i] += n * cfg.training.seq_len
                 self.metrics.step_done(self.step, local_tokens)
                 self._track_non_finite(out)
                 # Only logged steps read device values (host syncs) and all-reduce the loss.
@@ -186,7 +191,18 @@ class Trainer:
         finally:
             self.checkpointer.close()  # waits for an async save and restores the signal handlers
             self.metrics.close()
+            if hasattr(self.dataloader, "close"):
+                self.dataloader.close()  # the prefetch thread
+        self._log_sources()
         return self.losses
+
+    def _log_sources(self) -> None:
+        total = sum(self.tokens_by_source)
+        if len(self.tokens_by_source) > 1 and total:
+            shares = ", ".join(
+                f"{name} {n / total:.1%} ({n:,})" for name, n in zip(self.dataloader.names, self.tokens_by_source)
+            )
+            logger.info(f"Tokens trained on by source in this run: {shares}")
 
     def validate(self) -> float:
         """Loss on the held-out data (the same sequences every time); logged and written to TensorBoard."""

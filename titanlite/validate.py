@@ -5,13 +5,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from titanlite.config import JobConfig
-from titanlite.data.packing import PackedDataLoader
 from titanlite.errors import ConfigError
 from titanlite.loss import counted_labels, summed_cross_entropy
 
@@ -27,24 +25,6 @@ class ValidationResult:
     seconds: float
 
 
-def held_out_source(cfg: JobConfig) -> tuple[str, str]:
-    """(dataset, split) to validate on; ConfigError when that would be the training data itself."""
-    v, t = cfg.validation, cfg.training
-    if v.dataset:
-        return v.dataset, v.dataset_split
-    if t.dataset != "builtin" and Path(t.dataset).expanduser().exists():
-        raise ConfigError(
-            f"validation.dataset = '' would validate on training.dataset = {t.dataset!r} itself: a local "
-            f"file or folder has no held-out split; valid: set validation.dataset to a held-out file or folder"
-        )
-    if t.dataset != "builtin" and v.dataset_split == t.dataset_split:
-        raise ConfigError(
-            f"validation.dataset_split = {v.dataset_split!r} is the training split of training.dataset = "
-            f"{t.dataset!r}; valid: a held-out split name of that dataset (e.g. 'validation' or 'test')"
-        )
-    return t.dataset, v.dataset_split
-
-
 class Validator:
     """Evaluates a (sharded) model on `validation.steps` global batches of held-out data.
 
@@ -53,27 +33,9 @@ class Validator:
     data-parallel ranks as in training, so the result does not depend on the topology.
     """
 
-    def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
+    def __init__(self, cfg: JobConfig, loader):
         self.cfg = cfg.validation
-        dataset, split = held_out_source(cfg)
-        t = cfg.training
-        try:
-            self.loader = PackedDataLoader(
-                tokenizer,
-                dataset,
-                seq_len=t.seq_len,
-                global_batch_size=t.global_batch_size,
-                local_batch_size=t.local_batch_size,
-                dp_rank=dp_rank,
-                dp_degree=dp_degree,
-                split=split,
-                text_field=t.dataset_text_field,
-                config_name=t.dataset_config,
-            )
-        except ConfigError as e:  # the loader's messages name training.*: say that this is the held-out data
-            raise ConfigError(
-                f"validation data {dataset!r} (split {split!r}, from validation.dataset = {self.cfg.dataset!r}): {e}"
-            ) from e
+        self.loader = loader  # titanlite.data.build.build_loader(cfg, tokenizer, "validation", ...)
         self._start = self.loader.state_dict()
 
     def due(self, step: int, last_step: int) -> bool:
@@ -87,6 +49,10 @@ class Validator:
                 yield self.loader.next_step()
             return
         # steps = -1: one pass; a batch that ran past the end of the split (and so wrapped) is dropped.
+        if hasattr(self.loader, "sequences_per_epoch"):
+            for _ in range(self.loader.sequences_per_epoch() // self.loader.global_batch_size):
+                yield self.loader.next_step()
+            return
         while True:
             batch = self.loader.next_step()
             s = self.loader.state_dict()
@@ -101,11 +67,11 @@ class Validator:
         t0 = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, valid tokens
         batches = 0
-        for microbatches in self._batches():
+        for step in self._batches():
             batches += 1
-            for inputs, labels in microbatches:
-                inputs = inputs.to(device, non_blocking=True)
-                labels = labels.to(device, non_blocking=True)
+            for mb in step.microbatches:
+                inputs = mb.inputs.to(device, non_blocking=True)
+                labels = mb.labels.to(device, non_blocking=True)
                 logits = model(inputs)
                 totals[0] += summed_cross_entropy(logits, labels).double()
                 totals[1] += counted_labels(labels)
@@ -126,8 +92,3 @@ class Validator:
             batches=batches,
             seconds=time.perf_counter() - t0,
         )
-
-
-def build_validator(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int) -> Validator | None:
-    """The Validator when validation.enable is set, else None (checks run before any process group)."""
-    return Validator(cfg, tokenizer, dp_rank, dp_degree) if cfg.validation.enable else None

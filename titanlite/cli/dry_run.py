@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 "" if os.environ.get("NGPU") else " (NGPU unset: the visible GPUs, else 8)"
             )
         cfg = load(argv)
-        plan = validate_for_world(cfg, world_size, rank=0, device_type=None)
+        plan = validate_for_world(cfg, world_size, device_type=None)
         lines, fits = report(cfg, plan, world_size, where, gpu_mem_gib)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

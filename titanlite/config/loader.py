@@ -49,9 +49,11 @@ _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
 
-def _coerce(key: str, value, typ):
+def _coerce(key: str, value, typ, list_ok: bool = False):
     """Convert a TOML or command-line value to the field's type, or raise ConfigError naming the key."""
     origin = typing.get_origin(typ)
+    if list_ok and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -120,7 +122,12 @@ def _apply(cfg: JobConfig, section: str, key: str, value, origin: str) -> None:
             f"unknown key {section}.{key} in {origin}{_closest(key, fields)}; "
             f"valid keys of [{section}]: {', '.join(fields)}"
         )
-    setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", value, field_type(fields[key])))
+    fld = fields[key]
+    setattr(
+        getattr(cfg, section),
+        key,
+        _coerce(f"{section}.{key}", value, field_type(fld), fld.metadata.get("list_ok", False)),
+    )
 
 
 def _parse_cli(argv: list[str]) -> list[tuple[str, str, object]]:

@@ -15,9 +15,12 @@ GRADIENT_SYNC = ("every_microbatch", "delay_all_reduce", "last_microbatch_only")
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 
 
-def _f(default, doc: str, check=None, valid: str = ""):
-    """A dataclass field with its doc line and an optional validity predicate (with `valid` describing it)."""
-    meta = {"doc": doc, "check": check, "valid": valid}
+def _f(default, doc: str, check=None, valid: str = "", list_ok: bool = False):
+    """A dataclass field with its doc line and an optional validity predicate (with `valid` describing it).
+
+    list_ok: a str field that also takes a TOML list (its items joined with commas).
+    """
+    meta = {"doc": doc, "check": check, "valid": valid, "list_ok": list_ok}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -67,7 +70,12 @@ class Model:
 
 @dataclass
 class Training:
-    dataset: str = _f("builtin", "'builtin' (embedded offline text), a local file/folder, or a HF hub name")
+    dataset: str = _f(
+        "builtin",
+        "'builtin' (embedded offline text), a local file/folder, a HF hub name or a prepared token store; "
+        "a mixture as 'name:weight,name:weight' (or a TOML list of 'name:weight')",
+        list_ok=True,
+    )
     dataset_split: str = _f("train", "split to read from a HF hub dataset")
     dataset_config: str = _f("", "configuration name of a HF hub dataset")
     dataset_text_field: str = _f("text", "record field that holds the text")
@@ -90,6 +98,36 @@ class Training:
     seed: int = _f(42, "seed for weight init and any randomness; the same on every rank")
     enable_cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
     deterministic: bool = _f(False, "use deterministic algorithms (slower on GPU)")
+
+
+@dataclass
+class Data:
+    store: str = _f(
+        "auto",
+        "auto: tokenize each dataset once into a memory-mapped token store (built by the job's ranks when "
+        "missing, reused by later runs) and let each rank read only its own sequences; none: every rank "
+        "streams and tokenizes the whole global batch (small jobs)",
+        _one_of("auto", "none"),
+        "auto or none",
+    )
+    store_folder: str = _f(
+        "",
+        "where token stores are kept; '' = <TITANLITE_CACHE or ~/.cache/titanlite>/token_stores (multi-node: "
+        "a folder every node sees)",
+    )
+    shuffle: bool = _f(True, "shuffle the documents each epoch with training.seed (token stores; any topology)")
+    prefetch: int = _f(
+        2,
+        "steps prepared ahead in a background thread; 0 = prepare each step in the training loop",
+        _non_negative,
+        "a number >= 0",
+    )
+    text_unit: str = _f(
+        "line",
+        ".txt files: one document per line, per paragraph (blank-line separated) or per file",
+        _one_of("line", "paragraph", "file"),
+        "line, paragraph or file",
+    )
 
 
 @dataclass
@@ -253,6 +291,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
@@ -272,6 +311,7 @@ SECTIONS: dict[str, type] = {
     "job": Job,
     "model": Model,
     "training": Training,
+    "data": Data,
     "optimizer": Optimizer,
     "lr_scheduler": LRScheduler,
     "parallelism": Parallelism,

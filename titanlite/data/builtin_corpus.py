@@ -11,11 +11,15 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import logging
 import os
 import pathlib
 import random
 import sysconfig
 import tempfile
+import time
+
+logger = logging.getLogger("titanlite")
 
 VERSION = "v1"
 SPLITS = ("train", "validation")
@@ -41,7 +45,13 @@ def builtin_corpus_path(split: str = "train") -> pathlib.Path:
         raise ValueError(f"builtin corpus split must be one of {SPLITS}, got {split!r}")
     paths = _split_paths(cache_dir())
     if not paths[split].exists():
+        t0 = time.perf_counter()
         write_corpus(cache_dir())
+        sizes = ", ".join(f"{name} {p.stat().st_size / 1e6:.1f} MB" for name, p in paths.items())
+        logger.info(
+            f"Generated the built-in corpus from Python's documentation in {time.perf_counter() - t0:.1f} s: "
+            f"{sizes} in {cache_dir()}"
+        )
     return paths[split]
 
 

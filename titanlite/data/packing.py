@@ -1,11 +1,19 @@
-"""Packing documents into one global stream of seq_len + 1 windows, each data-parallel rank its slice, resumable."""
+"""Streaming without a token store: every rank tokenizes the whole global batch and keeps its slice.
+
+The same global stream as the token store's unshuffled `WindowLayout`, for small jobs and for Hub
+datasets too large to download (`data.store = "none"`); its cost per rank grows with the dp degree.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
+from titanlite.data.datasets_io import DatasetSpec
+from titanlite.data.loader import Step, to_microbatches
+from titanlite.data.sequences import Window, positions_from_starts
 from titanlite.data.sources import DocumentSource
 from titanlite.data.tokenizers import ByteTokenizer, HFTokenizer
 from titanlite.errors import ConfigError
@@ -49,17 +57,20 @@ class _TokenStream:
         tok = self._tokenizer
         return torch.tensor([tok.bos_id, *tok.encode(text), tok.eos_id], dtype=torch.long)
 
-    def take(self, n: int) -> torch.Tensor:
-        """Return the next ``n`` tokens."""
-        pieces = []
-        while n > 0:
-            piece = self._tokens[self.token_offset : self.token_offset + n]
+    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``n`` tokens, and True where a document starts."""
+        pieces, starts = [], torch.zeros(n, dtype=torch.bool)
+        filled = 0
+        while filled < n:
+            if self.token_offset == 0:
+                starts[filled] = True
+            piece = self._tokens[self.token_offset : self.token_offset + n - filled]
             pieces.append(piece)
-            n -= len(piece)
+            filled += len(piece)
             self.token_offset += len(piece)
             if self.token_offset == len(self._tokens):
                 self._next_document()
-        return torch.cat(pieces)
+        return torch.cat(pieces), starts
 
     def _next_document(self) -> None:
         text = next(self._docs, None)
@@ -93,7 +104,7 @@ class PackedDataLoader:
     def __init__(
         self,
         tokenizer: ByteTokenizer | HFTokenizer,
-        dataset: str,
+        dataset: str | DatasetSpec,
         seq_len: int,
         global_batch_size: int,
         local_batch_size: int,
@@ -110,34 +121,39 @@ class PackedDataLoader:
                 f"{local_batch_size} do not split into whole microbatches"
             )
         self.tokenizer = tokenizer
+        self.names = [dataset if isinstance(dataset, str) else dataset.name]
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.accumulation_steps = global_batch_size // (local_batch_size * dp_degree)
-        self._source = DocumentSource(dataset, split, text_field, config_name)
+        if not isinstance(dataset, DatasetSpec):
+            dataset = DatasetSpec(dataset, split, text_field, config_name)
+        self._source = DocumentSource(dataset)
         self._sequence_index = 0
         self._stream = self._open_stream(0, 0, 0)
 
     def _open_stream(self, epoch: int, doc_index: int, token_offset: int) -> _TokenStream:
         return _TokenStream(self.tokenizer, self._source.documents, epoch, doc_index, token_offset)
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Return this rank's A microbatches for the next step: (inputs, labels), int64 [b, seq_len] each."""
+    def next_step(self) -> Step:
+        """This rank's microbatches of the next step."""
         window = self.seq_len + 1
-        sequences = self._stream.take(self.global_batch_size * window).view(self.global_batch_size, window)
+        tokens, starts = self._stream.take(self.global_batch_size * window)
+        tokens, starts = tokens.view(self.global_batch_size, window), starts.view(self.global_batch_size, window)
         self._sequence_index += self.global_batch_size
         per_rank = self.local_batch_size * self.accumulation_steps
-        mine = sequences[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(self.local_batch_size)]
-
-    @property
-    def global_valid_tokens(self) -> int:
-        """Labels that count in the loss over one whole global batch (every rank, every microbatch).
-
-        Every label of a packed window is a real next token, so this is known without communication.
-        """
-        return self.global_batch_size * self.seq_len
+        lo, hi = self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank
+        windows = [
+            Window(t.numpy(), positions_from_starts(s.numpy()), np.ones(window, dtype=np.uint8))
+            for t, s in zip(tokens[lo:hi], starts[lo:hi])
+        ]
+        # Every label of a packed window is a real next token: the global count is known without communication.
+        return Step(
+            to_microbatches(windows, self.local_batch_size),
+            self.global_batch_size * self.seq_len,
+            [self.global_batch_size],
+        )
 
     def state_dict(self) -> dict[str, int]:
         """Return the global stream position (the same on every rank), as plain ints.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -18,10 +19,15 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    identity = "titanlite-byte-tokenizer-v1"  # what a token store built with it records
 
     def encode(self, text: str) -> list[int]:
         """Return the UTF-8 bytes of ``text`` as ids, without BOS/EOS."""
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text."""
+        return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Return the text of ``ids``, skipping BOS/EOS; invalid UTF-8 becomes U+FFFD."""
@@ -59,6 +65,11 @@ class HFTokenizer:
         named = self._config_special_tokens()
         self.bos_id = self._find_special("bos", named.get("bos_token"), self.BOS_CANDIDATES)
         self.eos_id = self._find_special("eos", named.get("eos_token"), self.EOS_CANDIDATES)
+        h = hashlib.sha256(self.path.read_bytes())
+        config = self.path.parent / "tokenizer_config.json"
+        if config.is_file():
+            h.update(config.read_bytes())
+        self.identity = f"hf-tokenizer-{h.hexdigest()}"  # the files' content, wherever they are
 
     def _config_special_tokens(self) -> dict[str, str]:
         config = self.path.parent / "tokenizer_config.json"
@@ -91,6 +102,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Return the token ids of ``text``, without BOS/EOS."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text, in parallel threads (the tokenizers library's own)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Return the text of ``ids``, skipping special tokens."""

@@ -1,0 +1,140 @@
+"""`python -m titanlite.data prepare`: tokenize a dataset once into a token store, with several worker processes.
+
+    python -m titanlite.data prepare --dataset DATASET [--tokenizer PATH] [--output DIR] [--workers N]
+        [--split train] [--text-field text] [--dataset-config NAME] [--text-unit line|paragraph|file]
+
+Without --output the store goes where a training job with the same dataset and tokenizer looks for it
+(data.store_folder, default $TITANLITE_CACHE/token_stores), so the job finds it; with --output, point
+training.dataset at DIR. Exit status 0 built (or already there), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pathlib
+import socket
+import sys
+import time
+
+from titanlite.data.datasets_io import TEXT_UNITS, DatasetSpec, open_table
+from titanlite.data.encoders import TextEncoder
+from titanlite.data.store import MANIFEST, TokenStore, token_dtype
+from titanlite.data.store_build import (
+    Progress,
+    build_part,
+    cache_root,
+    finalize,
+    new_build_dir,
+    store_key,
+    store_path,
+)
+from titanlite.data.tokenizers import build_tokenizer
+from titanlite.errors import ConfigError
+from titanlite.metrics import setup_logging
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m titanlite.data", description="Prepare token stores.")
+    sub = p.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("prepare", help="tokenize a dataset once into a memory-mapped token store")
+    pr.add_argument("--dataset", required=True, help="as training.dataset: builtin, a file or folder, a Hub name")
+    pr.add_argument("--tokenizer", default="", help="as model.tokenizer_path ('' = the built-in byte tokenizer)")
+    pr.add_argument("--output", default="", help="store folder (default: where a job finds it by its cache key)")
+    pr.add_argument("--store-folder", default="", help="as data.store_folder, when --output is not given")
+    pr.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenizing processes")
+    pr.add_argument("--split", default="train", help="as training.dataset_split")
+    pr.add_argument("--text-field", default="text", help="as training.dataset_text_field")
+    pr.add_argument("--dataset-config", default="", help="as training.dataset_config")
+    pr.add_argument("--text-unit", default="line", choices=list(TEXT_UNITS), help="as data.text_unit")
+    return p.parse_args(argv)
+
+
+def _worker(args: argparse.Namespace, build_dir: str, worker: int, workers: int, progress_queue) -> dict:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: the workers are the parallelism
+    spec, tokenizer = _spec(args), build_tokenizer(args.tokenizer)
+    report = lambda docs, tokens: progress_queue.put((docs, tokens))
+    return build_part(
+        open_table(spec),
+        TextEncoder(tokenizer, spec),
+        token_dtype(tokenizer.vocab_size),
+        pathlib.Path(build_dir),
+        worker,
+        workers,
+        on_batch=report,
+    )
+
+
+def _spec(args: argparse.Namespace) -> DatasetSpec:
+    return DatasetSpec(args.dataset, args.split, args.text_field, args.dataset_config, args.text_unit, key="--dataset")
+
+
+def prepare(args: argparse.Namespace) -> TokenStore:
+    """Build (or find) the store; returns it opened."""
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers} is not valid; expected a number >= 1")
+    spec, tokenizer = _spec(args), build_tokenizer(args.tokenizer)
+    encoder = TextEncoder(tokenizer, spec)
+    key = store_key(spec, tokenizer.identity, encoder.identity)
+    folder = pathlib.Path(args.store_folder).expanduser() if args.store_folder else cache_root() / "token_stores"
+    final = pathlib.Path(args.output).expanduser() if args.output else store_path(folder, spec, key)
+    if (final / MANIFEST).is_file():
+        store = TokenStore(final)
+        if store.info.key != key:
+            raise ConfigError(
+                f"--output {final} holds a token store of another dataset or tokenizer; choose "
+                f"another folder or delete it"
+            )
+        print(f"token store {final} already exists: {store.num_documents:,} documents, {store.num_tokens:,} tokens")
+        return store
+    if final.exists() and any(final.iterdir()):
+        raise ConfigError(f"--output {final} exists and is not a token store; choose an empty or new folder")
+    table = open_table(spec)  # once here, so the workers find the Arrow cache built
+    build_dir = new_build_dir(final, f"{socket.gethostname()}-{os.getpid()}")
+    t0 = time.perf_counter()
+    workers = min(args.workers, len(table))
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, ctx.Pool(workers) as pool:
+        q = manager.Queue()
+        results = [pool.apply_async(_worker, (args, str(build_dir), w, workers, q)) for w in range(workers)]
+        progress = Progress(len(table), f"tokenizing with {workers} worker(s)", enabled=True)
+        while not all(r.ready() for r in results) or not q.empty():
+            try:
+                progress.update(*q.get(timeout=0.2))
+            except Exception:  # queue.Empty from the manager's proxy
+                pass
+        progress.close()
+        stats = [r.get() for r in results]
+    seconds = time.perf_counter() - t0
+    source = {
+        "dataset": spec.name,
+        "split": spec.split,
+        "text_field": spec.text_field,
+        "key": "training.dataset",
+        "config_name": spec.config_name,
+        "tokenizer": tokenizer.identity,
+        "tokenizer_path": str(getattr(tokenizer, "path", "")),
+        "encoding": encoder.identity,
+    }
+    store = finalize(
+        build_dir, final, workers, key, source, token_dtype(tokenizer.vocab_size), encoder.has_mask, seconds
+    )
+    tokens = sum(s["tokens"] for s in stats)
+    print(
+        f"wrote token store {final}: {store.num_documents:,} documents, {tokens:,} tokens in {seconds:.1f} s "
+        f"({tokens / seconds:,.0f} tokens/s, {tokens / seconds / workers:,.0f} per worker, {workers} worker(s))"
+    )
+    return store
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    setup_logging()
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        prepare(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

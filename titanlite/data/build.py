@@ -1,0 +1,275 @@
+"""From a config to data loaders: which datasets (and weights), their token stores (opened, or built by the
+job's ranks), the layouts, and the per-rank loader with background prefetching.
+
+`check_data` runs before any process group (titanlite.plan); `build_loader` runs on every rank once
+the process group exists, because a missing store is built by all ranks together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import socket
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from titanlite.config import JobConfig
+from titanlite.data.datasets_io import DatasetSpec, has_split, is_local, open_table
+from titanlite.data.encoders import TextEncoder
+from titanlite.data.loader import Prefetcher, StoreDataLoader
+from titanlite.data.packing import PackedDataLoader
+from titanlite.data.sequences import WindowLayout
+from titanlite.data.sources import DocumentSource
+from titanlite.data.store import MANIFEST, TokenStore, token_dtype
+from titanlite.data.store_build import (
+    Progress,
+    build_part,
+    cache_root,
+    finalize,
+    new_build_dir,
+    share,
+    store_key,
+    store_path,
+)
+from titanlite.errors import ConfigError
+
+logger = logging.getLogger("titanlite")
+
+BUILD_TIMEOUT = timedelta(hours=72)  # a collective build may take long; the default collective timeout would not do
+
+
+def parse_mixture(value: str, key: str) -> list[tuple[str, float]]:
+    """'a:0.7,b:0.3' (or one name) -> [(name, weight)]; ConfigError naming the key for a bad entry."""
+    out = []
+    for item in (v.strip() for v in value.split(",")):
+        if not item:
+            continue
+        name, sep, weight = item.rpartition(":")
+        try:
+            w = float(weight) if sep else 1.0
+        except ValueError:
+            name, w = item, 1.0  # a colon that is part of the name
+        if not sep:
+            name = item
+        if w <= 0:
+            raise ConfigError(f"{key} = {value!r}: the weight of {name!r} is {w}; weights must be > 0")
+        out.append((name, w))
+    if not out:
+        raise ConfigError(f"{key} = {value!r} names no dataset")
+    return out
+
+
+def training_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
+    """The training datasets and their weights."""
+    t = cfg.training
+    return [
+        (DatasetSpec(name, t.dataset_split, t.dataset_text_field, t.dataset_config, cfg.data.text_unit), w)
+        for name, w in parse_mixture(t.dataset, "training.dataset")
+    ]
+
+
+def validation_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
+    """The held-out datasets: validation.dataset, or the held-out split of each training dataset."""
+    v, t = cfg.validation, cfg.training
+    if v.dataset:
+        return [
+            (
+                DatasetSpec(
+                    name,
+                    v.dataset_split,
+                    t.dataset_text_field,
+                    t.dataset_config,
+                    cfg.data.text_unit,
+                    key="validation.dataset",
+                ),
+                w,
+            )
+            for name, w in parse_mixture(v.dataset, "validation.dataset")
+        ]
+    out = []
+    for spec, w in training_specs(cfg):
+        held_out = DatasetSpec(
+            spec.name, v.dataset_split, spec.text_field, spec.config_name, spec.text_unit, key="validation.dataset"
+        )
+        if spec.name != "builtin" and v.dataset_split == spec.split:
+            raise ConfigError(
+                f"validation.dataset_split = {v.dataset_split!r} is the training split of "
+                f"training.dataset = {spec.name!r}; valid: a held-out split name (e.g. 'validation')"
+            )
+        if is_local(spec) and not has_split(held_out, v.dataset_split):
+            raise ConfigError(
+                f"validation.dataset = '' would validate on training.dataset = {spec.name!r}, which has no "
+                f"{v.dataset_split!r} split (no file named like validation-*, valid.*, dev/...); valid: set "
+                f"validation.dataset to a held-out file or folder"
+            )
+        out.append((held_out, w))
+    return out
+
+
+def prepared_store(spec: DatasetSpec) -> pathlib.Path | None:
+    """The folder when the dataset names a token store made by `python -m titanlite.data prepare`."""
+    path = pathlib.Path(spec.name).expanduser()
+    return path if (path / MANIFEST).is_file() else None
+
+
+def stores_folder(cfg: JobConfig) -> pathlib.Path:
+    """Where token stores are kept (data.store_folder, else the cache)."""
+    return pathlib.Path(cfg.data.store_folder).expanduser() if cfg.data.store_folder else cache_root() / "token_stores"
+
+
+def _check_prepared(path: pathlib.Path, spec: DatasetSpec, encoder) -> TokenStore:
+    store = TokenStore(path, rebuild_hint=f"rebuild it with `python -m titanlite.data prepare ... --output {path}`")
+    src = store.info.source
+    if src.get("tokenizer") != encoder.tokenizer.identity or src.get("encoding") != encoder.identity:
+        raise ConfigError(
+            f"{spec.key} = {spec.name!r} is a token store built with another tokenizer or format "
+            f"(tokenizer {src.get('tokenizer_path') or 'built-in bytes'!r}, format {src.get('encoding')!r}) than "
+            f"this job's (model.tokenizer_path = {getattr(encoder.tokenizer, 'path', '') or ''!r}); rebuild it "
+            f"with this job's tokenizer or point at the raw dataset"
+        )
+    return store
+
+
+def check_data(cfg: JobConfig, tokenizer) -> None:
+    """Every data check that needs no process group: names, splits, fields, existing stores (ConfigError)."""
+    for which, specs in (
+        ("training", training_specs(cfg)),
+        ("validation", validation_specs(cfg) if cfg.validation.enable else []),
+    ):
+        if cfg.data.store == "none" and len(specs) > 1:
+            raise ConfigError(
+                f"{which}.dataset names a mixture of {len(specs)} datasets, which needs token stores; "
+                f"valid: data.store = 'auto', or a single dataset"
+            )
+        for spec, _ in specs:
+            encoder = TextEncoder(tokenizer, spec)
+            if (path := prepared_store(spec)) is not None:
+                _check_prepared(path, spec, encoder)
+                continue
+            if cfg.data.store == "auto":
+                final = store_path(stores_folder(cfg), spec, store_key(spec, tokenizer.identity, encoder.identity))
+                if (final / MANIFEST).is_file():
+                    TokenStore(final)  # refuses a corrupt one with a message saying how to rebuild it
+                    continue
+            next(DocumentSource(spec).documents(), None)  # opens it and checks the first record's text field
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def open_or_build_store(spec: DatasetSpec, encoder, folder: pathlib.Path) -> TokenStore:
+    """The store of `spec` in `folder`: opened when it exists, else built by every rank (each its share)."""
+    if (path := prepared_store(spec)) is not None:
+        return _check_prepared(path, spec, encoder)
+    tok = encoder.tokenizer
+    rank, world = _rank_world()
+    box = [store_key(spec, tok.identity, encoder.identity), f"{socket.gethostname()}-{os.getpid()}"]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)  # rank 0's view decides: one key, one build folder
+    key, tag = box
+    final = store_path(folder, spec, key)
+    exists = [(final / MANIFEST).is_file()]
+    if world > 1:
+        dist.broadcast_object_list(exists, src=0)
+    if exists[0]:
+        store = TokenStore(final)
+        logger.info(
+            f"Token store {final}: {store.num_documents:,} documents, {store.num_tokens:,} tokens "
+            f"({spec.key} = {spec.name!r})"
+        )
+        return store
+    group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT) if world > 1 else None
+    try:
+        return _build(spec, encoder, final, key, tag, rank, world, group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def _build(spec, encoder, final, key, tag, rank, world, group) -> TokenStore:
+    build_dir = final.parent / f".build-{final.name}-{tag}"
+    if rank == 0:
+        new_build_dir(final, tag)
+        logger.info(f"No token store for {spec.key} = {spec.name!r} yet: building {final} with {world} rank(s)")
+    if group is not None:
+        dist.barrier(group=group)
+    t0 = time.perf_counter()
+    table = open_table(spec)
+    start, stop = share(len(table), rank, world)
+    progress = Progress(stop - start, f"tokenizing (rank 0's share of {world})", enabled=rank == 0)
+    stats = build_part(table, encoder, token_dtype(encoder.tokenizer.vocab_size), build_dir, rank, world, progress)
+    progress.close()
+    all_stats = [None] * world
+    if group is not None:
+        dist.all_gather_object(all_stats, stats, group=group)
+    else:
+        all_stats = [stats]
+    if rank == 0:
+        seconds = time.perf_counter() - t0
+        source = {
+            "dataset": spec.name,
+            "split": spec.split,
+            "text_field": spec.text_field,
+            "key": spec.key,
+            "config_name": spec.config_name,
+            "tokenizer": encoder.tokenizer.identity,
+            "tokenizer_path": str(getattr(encoder.tokenizer, "path", "")),
+            "encoding": encoder.identity,
+        }
+        finalize(
+            build_dir, final, world, key, source, token_dtype(encoder.tokenizer.vocab_size), encoder.has_mask, seconds
+        )
+        tokens = sum(s["tokens"] for s in all_stats)
+        skipped = sum(s["skipped"] for s in all_stats)
+        logger.info(
+            f"Built token store {final}: {sum(s['documents'] for s in all_stats):,} documents, "
+            f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9) / world:,.0f} tokens/s "
+            f"per rank, {world} rank(s)){f'; skipped {skipped:,} records' if skipped else ''}"
+        )
+    if group is not None:
+        dist.barrier(group=group)
+    found = [(final / MANIFEST).is_file()]
+    if group is not None:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, found[0], group=group)
+        found = [all(everyone)]
+    if not found[0]:
+        raise ConfigError(
+            f"data.store_folder: the token store {final} built by rank 0 is not visible to every "
+            f"rank: put data.store_folder on a filesystem every node shares, or build the store on "
+            f"each node first with `python -m titanlite.data prepare`"
+        )
+    return TokenStore(final)
+
+
+def build_loader(cfg: JobConfig, tokenizer, which: str, *, dp_rank: int, dp_degree: int, pin_memory: bool = False):
+    """The training ('training') or held-out ('validation') data loader of this rank."""
+    t = cfg.training
+    specs = training_specs(cfg) if which == "training" else validation_specs(cfg)
+    shape = dict(
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        local_batch_size=t.local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+    )
+    if cfg.data.store == "none":
+        loader = PackedDataLoader(tokenizer, specs[0][0], **shape)
+    else:
+        seed = t.seed if cfg.data.shuffle and which == "training" else None
+        layouts = [
+            WindowLayout(open_or_build_store(spec, TextEncoder(tokenizer, spec), stores_folder(cfg)), t.seq_len, seed)
+            for spec, _ in specs
+        ]
+        loader = StoreDataLoader(
+            layouts, [w for _, w in specs], names=[spec.name for spec, _ in specs], pin_memory=pin_memory, **shape
+        )
+    if which == "training" and cfg.data.prefetch > 0:
+        return Prefetcher(loader, cfg.data.prefetch)
+    return loader

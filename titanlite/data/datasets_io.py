@@ -1,0 +1,250 @@
+"""Where a dataset's records come from: the built-in corpus, local files and folders (with their splits),
+`datasets.save_to_disk` folders and Hub datasets; opened as a stream or as a memory-mapped Arrow table.
+
+Local folders follow the Hub's file-name conventions: a file whose path has a split word (train,
+training / validation, valid, val, dev / test, testing, eval) as a component or between separators
+(`data/train-00000.parquet`, `valid.jsonl`, `test/part-0.txt`) belongs to that split; a file, or a
+folder with no such words, is one unsplit dataset, read whole for whatever split is asked. Metadata
+files (`dataset_info.json`, `state.json`, `dataset_dict.json`, hidden files) are never data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import re
+import time
+from dataclasses import dataclass
+
+from titanlite.data.builtin_corpus import SPLITS as BUILTIN_SPLITS
+from titanlite.data.builtin_corpus import builtin_corpus_path
+from titanlite.errors import ConfigError
+
+logger = logging.getLogger("titanlite")
+
+BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".txt": "text",
+    ".text": "text",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
+TEXT_UNITS = {"line": "line", "paragraph": "paragraph", "file": "document"}  # .txt unit -> datasets' sample_by
+VALID_DATASETS = (
+    "valid: 'builtin', an existing .json/.jsonl/.txt/.text/.parquet/.arrow file, a folder of such files or one "
+    "written by datasets' save_to_disk, or a Hugging Face Hub dataset name such as 'owner/name'"
+)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset as the config names it, and how to read its text."""
+
+    name: str  # 'builtin', a local path, or a Hub id
+    split: str = "train"
+    text_field: str = "text"
+    config_name: str = ""
+    text_unit: str = "line"  # .txt files: one document per line, paragraph or file
+    key: str = "training.dataset"  # the config key to name in messages
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """A resolved local dataset: a datasets builder and the files of the split, or a save_to_disk folder."""
+
+    builder: str  # json, text, parquet, arrow, or 'saved' (datasets.load_from_disk)
+    files: tuple[str, ...]
+
+
+def _datasets():
+    import datasets  # lazy: a second or more to import, and the built-in corpus stream never needs it
+
+    datasets.disable_progress_bars()  # titanlite logs one line per dataset opened instead
+    return datasets
+
+
+def is_local(spec: DatasetSpec) -> bool:
+    """True for the built-in corpus and for names that are local files or folders."""
+    return spec.name == "builtin" or pathlib.Path(spec.name).expanduser().exists()
+
+
+def _split_of(relative: str) -> str | None:
+    words = set(re.split(r"[^a-z]+", relative.lower()))
+    found = [split for split, names in SPLIT_WORDS.items() if words & set(names)]
+    return found[0] if len(found) == 1 else None
+
+
+def local_splits(spec: DatasetSpec) -> dict[str, list[str]]:
+    """The data files of a local file or folder by split; {"": files} for an unsplit one."""
+    path = pathlib.Path(spec.name).expanduser()
+    if path.is_file():
+        return {"": [str(path)]}
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.name not in METADATA_FILES
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        and p.suffix in BUILDERS
+    )
+    if not files:
+        raise ConfigError(f"{spec.key} = {spec.name!r} is a folder with no data files; {VALID_DATASETS}")
+    by_split: dict[str, list[str]] = {}
+    for p in files:
+        by_split.setdefault(_split_of(p.relative_to(path).as_posix()) or "", []).append(str(p))
+    if "" in by_split and len(by_split) > 1:
+        raise ConfigError(
+            f"{spec.key} = {spec.name!r}: some files name a split ({', '.join(sorted(set(by_split) - {''}))}) and "
+            f"others do not ({', '.join(pathlib.Path(f).name for f in by_split[''][:3])}); put each file under a "
+            f"split name (train-*, validation-*, test-*) or point at one split's files"
+        )
+    return by_split
+
+
+def resolve_local(spec: DatasetSpec, split: str | None = None) -> LocalData:
+    """The builder and files of a local dataset's split (default: spec.split); ConfigError naming what exists."""
+    split = split or spec.split
+    if spec.name == "builtin":
+        if split not in BUILTIN_SPLITS:
+            raise ConfigError(f"{spec.key} = 'builtin' has splits {list(BUILTIN_SPLITS)}, not {split!r}")
+        return LocalData("json", (str(builtin_corpus_path(split)),))
+    path = pathlib.Path(spec.name).expanduser()
+    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        return LocalData("saved", (str(path),))
+    by_split = local_splits(spec)
+    if "" in by_split:
+        split = ""
+    elif split not in by_split:
+        raise ConfigError(
+            f"{spec.key} = {spec.name!r} has no {split!r} split: its files are split into "
+            f"{sorted(by_split)} (by the split words in their names)"
+        )
+    files = by_split[split]
+    kinds = {BUILDERS.get(pathlib.Path(f).suffix) for f in files}
+    if None in kinds:
+        raise ConfigError(f"{spec.key} = {spec.name!r} has an unsupported file type; {VALID_DATASETS}")
+    if len(kinds) > 1:
+        raise ConfigError(f"{spec.key} = {spec.name!r} mixes file formats {sorted(kinds)}; use one format")
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ConfigError(f"{spec.key} = {spec.name!r} has no documents (its files are empty)")
+    return LocalData(kinds.pop(), tuple(files))
+
+
+def has_split(spec: DatasetSpec, split: str) -> bool:
+    """Whether a dataset has this split by name (Hub datasets: assumed; opening one says otherwise)."""
+    if spec.name == "builtin":
+        return split in BUILTIN_SPLITS
+    if not is_local(spec):
+        return True
+    path = pathlib.Path(spec.name).expanduser()
+    if path.is_dir() and (path / "dataset_dict.json").is_file():
+        return (path / split).is_dir()
+    if path.is_dir() and (path / "state.json").is_file():
+        return False
+    return split in local_splits(spec)
+
+
+def _looks_like_path(name: str) -> bool:
+    """True for names that cannot be a hub id ('name' or 'owner/name')."""
+    return (
+        name.startswith(("/", ".", "~"))
+        or name.count("/") > 1
+        or "\\" in name
+        or pathlib.PurePath(name).suffix in BUILDERS
+    )
+
+
+def _open(spec: DatasetSpec, streaming: bool):
+    datasets = _datasets()
+    t0 = time.perf_counter()
+    if is_local(spec):
+        local = resolve_local(spec)
+        what = f"{len(local.files)} {local.builder} file(s)"
+        try:
+            if local.builder == "saved":
+                ds = datasets.load_from_disk(local.files[0])
+                if isinstance(ds, datasets.DatasetDict):
+                    if spec.split not in ds:
+                        raise ConfigError(
+                            f"{spec.key} = {spec.name!r} (a saved DatasetDict) has splits "
+                            f"{sorted(ds)}, not {spec.split!r}"
+                        )
+                    ds = ds[spec.split]
+                what = "a datasets.save_to_disk folder"
+                ds = ds.to_iterable_dataset() if streaming else ds
+            else:
+                extra = {"sample_by": TEXT_UNITS[spec.text_unit]} if local.builder == "text" else {}
+                ds = datasets.load_dataset(
+                    local.builder, data_files=list(local.files), split="train", streaming=streaming, **extra
+                )
+        except ConfigError:
+            raise
+        except Exception as e:  # malformed files: the message names the file
+            raise ConfigError(
+                f"{spec.key} = {spec.name!r}: cannot read it as {local.builder}: {type(e).__name__}: {e}"
+            ) from e
+    else:
+        if _looks_like_path(spec.name):
+            raise ConfigError(f"{spec.key} = {spec.name!r}: no such file or directory; {VALID_DATASETS}")
+        what = f"Hub dataset (config {spec.config_name or 'default'!r}, split {spec.split!r})"
+        try:
+            ds = datasets.load_dataset(spec.name, spec.config_name or None, split=spec.split, streaming=streaming)
+        except Exception as e:  # the hub raises many kinds: not found, offline, bad split/config...
+            raise ConfigError(
+                f"{spec.key} = {spec.name!r} is not a local path and could not be loaded from the Hugging Face "
+                f"Hub (config {spec.config_name!r}, split {spec.split!r}): {type(e).__name__}: {e}; "
+                f"{VALID_DATASETS}"
+            ) from e
+    size = "" if streaming else f", {len(ds):,} records"
+    logger.info(f"Opened {spec.key} = {spec.name!r} ({what}{size}) in {time.perf_counter() - t0:.1f} s")
+    return ds
+
+
+def open_stream(spec: DatasetSpec):
+    """The records of the dataset's split as a `datasets` IterableDataset (read lazily)."""
+    return _open(spec, streaming=True)
+
+
+def open_table(spec: DatasetSpec):
+    """The dataset's split as a memory-mapped Arrow `datasets.Dataset` with its text field checked."""
+    ds = _open(spec, streaming=False)
+    if len(ds) == 0:
+        raise ConfigError(f"{spec.key} = {spec.name!r} has no documents")
+    if spec.text_field not in ds.column_names:
+        raise ConfigError(
+            f"{text_field_key(spec)} = {spec.text_field!r} is not a field of the records of "
+            f"{spec.key} = {spec.name!r}; fields: {sorted(ds.column_names)}"
+        )
+    return ds
+
+
+def text_field_key(spec: DatasetSpec) -> str:
+    """The config key that names the text field ('training.dataset_text_field' for training data)."""
+    return (
+        spec.key.rsplit(".", 1)[0] + ".dataset_text_field"
+        if spec.key.startswith("training")
+        else "training.dataset_text_field"
+    )
+
+
+def fingerprint(spec: DatasetSpec) -> str:
+    """What identifies the dataset's content: files with their sizes and modification times, or the Hub id."""
+    h = hashlib.sha256(repr((spec.name, spec.split, spec.text_field, spec.config_name, spec.text_unit)).encode())
+    if spec.name == "builtin":  # regenerated per machine with the same bytes: its content, not its mtime
+        h.update(pathlib.Path(resolve_local(spec).files[0]).read_bytes())
+    elif is_local(spec):
+        for f in resolve_local(spec).files:
+            for p in [pathlib.Path(f)] if pathlib.Path(f).is_file() else sorted(pathlib.Path(f).rglob("*")):
+                if p.is_file():
+                    st = p.stat()
+                    h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
