@@ -86,3 +86,8 @@ def test_data_loader_benchmark_prints_the_ratio():
     )
     assert re.search(r"per-rank cost ratio dp4/dp1: [\d.]+", out), out
     assert re.search(r"workers 2: [\d,]+ tokens in [\d.]+ s", out), out
+
+
+def test_attention_benchmark_prints_the_ratio():
+    out = _bench("attention.py", "--flavor", "tiny", "--seq-len", "64", "--batch", "2", "--reps", "2")
+    assert re.search(r"block_causal / causal: [\d.]+ median", out), out

@@ -49,6 +49,15 @@ def test_bool_flags(toml_file):
     assert load(["--checkpoint.enable=no"]).checkpoint.enable is False
 
 
+def test_every_shipped_config_loads():
+    from titanlite.config.loader import shipped_configs
+
+    names = shipped_configs()
+    assert "debug_model.toml" in names and "llama3_8b_finetune.toml" in names
+    for name in names:
+        load(["--job.config_file", name])
+
+
 def test_config_name_resolves_in_train_configs():
     cfg = load(["--job.config_file", "llama8b_hsdp.toml"])
     assert cfg.model.flavor == "8B" and cfg.parallelism.data_parallel_replicate_degree == 2

@@ -20,16 +20,18 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from titanlite.checkpoint.catalog import newest_usable, step_folders
+from titanlite.checkpoint.hf_io import load_hf_weights
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
+from titanlite.models.hf_config import hf_folder, is_hf_folder
 from titanlite.models.registry import model_args
 
 
 def resolve_checkpoint(path: str) -> Path:
     """A DCP checkpoint folder: `path` itself, or its newest complete `step-N` sub-folder (a checkpoint root)."""
     p = Path(path).expanduser()
-    if (p / ".metadata").is_file():
+    if (p / ".metadata").is_file() or is_hf_folder(p):
         return p
     info = newest_usable(p, {"model"}) if step_folders(p) else None
     if info is not None:
@@ -45,14 +47,19 @@ def resolve_checkpoint(path: str) -> Path:
 
 def inference_model(cfg: JobConfig, vocab_size: int, device: torch.device, mesh=None) -> torch.nn.Module:
     """The model of `cfg` on `device`, sharded over `mesh` for inference (or plain when None); weights empty."""
-    model = build_model(cfg, model_args(cfg.model, vocab_size, cfg.training.seq_len), mesh, inference=True).model
+    args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
+    model = build_model(cfg, args, mesh, inference=True).model
     model.to_empty(device=device)
     model.init_buffers()
     return model
 
 
 def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
-    """Load the "model" entry of a DCP checkpoint into the (sharded or plain) model, each rank its shard."""
+    """Load a HF folder, or the "model" entry of a DCP checkpoint, into the (sharded or plain) model, each
+    rank its shard."""
+    if is_hf_folder(checkpoint):
+        load_hf_weights(model, checkpoint)
+        return
     state = {"model": get_model_state_dict(model)}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -88,9 +95,9 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     seed: int = 0,
-    eos_id: int | None = None,
+    stop_ids=(),
 ) -> list[int]:
-    """The new token ids after `prompt_ids` (stops early at eos_id). Call on every rank with the same arguments."""
+    """The new token ids after `prompt_ids`, stopping after one of stop_ids; call on every rank with the same args."""
     device = model.rope.device
     max_len = model.args.max_seq_len
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
@@ -102,6 +109,6 @@ def generate(
         if broadcast:  # rank 0 decides: every rank must feed identical tokens to the next forward
             dist.broadcast(nxt, src=0)
         tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
-        if eos_id is not None and int(nxt) == eos_id:
+        if int(nxt) in stop_ids:
             break
     return tokens[0, len(prompt_ids) :].tolist()

@@ -16,3 +16,17 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 def counted_labels(labels: torch.Tensor) -> torch.Tensor:
     """How many labels count in the loss."""
     return (labels != IGNORE_INDEX).sum()
+
+
+def microbatch_loss(model: torch.nn.Module, microbatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, labels on the device) of one microbatch (inputs, labels[, positions]).
+
+    A model with block-causal attention also gets the positions, which mark where documents start.
+    """
+    inputs = microbatch[0].to(device, non_blocking=True)
+    labels = microbatch[1].to(device, non_blocking=True)
+    if len(microbatch) > 2 and getattr(getattr(model, "args", None), "attention", "causal") == "block_causal":
+        logits = model(inputs, microbatch[2].to(device, non_blocking=True))
+    else:
+        logits = model(inputs)
+    return summed_cross_entropy(logits, labels), labels

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlite.checkpoint.catalog import preflight
+from titanlite.checkpoint.hf_io import check_hf_weights
 from titanlite.config import JobConfig
 from titanlite.data.build import check_data
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
+from titanlite.models.hf_config import hf_folder
 from titanlite.models.llama_args import LlamaArgs
 from titanlite.models.registry import model_args
 from titanlite.parallel_dims import ParallelDims
@@ -68,7 +70,10 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     if device_type is not None:
         preflight(cfg)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
+    folder = hf_folder(cfg.checkpoint.initial_load_path)
+    args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
+    if folder is not None:
+        check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
         raise ConfigError(

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from titanlite.checkpoint.catalog import checkpoint_folder
+from titanlite.checkpoint.hf_io import save_hf_sharded
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig, gradient_sync_mode
 from titanlite.data.build import build_loader
 from titanlite.distributed import init_distributed, pick_device, set_seed, world_size_from_env
+from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import NonFiniteLossError
 from titanlite.flops import flops_per_token
-from titanlite.loss import counted_labels, summed_cross_entropy
+from titanlite.loss import counted_labels, microbatch_loss
 from titanlite.metrics import MetricsLogger
 from titanlite.model_builder import build_model
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -113,12 +118,9 @@ class Trainer:
         counted labels of the whole global batch when the caller knows them (the data loader does);
         None counts them with one all-reduce.
         """
-        microbatches = [
-            (mb[0].to(self.device, non_blocking=True), mb[1].to(self.device, non_blocking=True)) for mb in microbatches
-        ]
         if global_tokens is None:
             # Counted on the device: a blocking host-to-device copy would be a host sync every step.
-            count = sum(counted_labels(labels) for _, labels in microbatches)
+            count = sum(counted_labels(mb[1].to(self.device, non_blocking=True)) for mb in microbatches)
             dist.all_reduce(count)
             global_tokens = count.clamp(min=1)
         else:
@@ -127,11 +129,9 @@ class Trainer:
         # (sum of token losses over the global batch) / (valid tokens in the global batch).
         scale = self.dims.dp_degree / global_tokens
         loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, labels) in enumerate(microbatches):
+        for i, mb in enumerate(microbatches):
             with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
-                logits = self.model(inputs)
-                token_loss_sum = summed_cross_entropy(logits, labels)
-                del logits
+                token_loss_sum, _ = microbatch_loss(self.model, mb, self.device)
                 (token_loss_sum * scale).backward()
             loss_sum += token_loss_sum.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
@@ -167,8 +167,12 @@ class Trainer:
                 data = self.dataloader.next_step()
                 lr = self.lr_scheduler.get_last_lr()[0]
                 out = self.train_step(data.microbatches, data.global_valid_tokens)
-                local_tokens = sum(mb.inputs.numel() for mb in data.microbatches)
-                self.tokens_seen += local_tokens * self.dims.dp_degree
+                local_tokens = (
+                    data.local_tokens if data.local_tokens >= 0 else sum(mb.inputs.numel() for mb in data.microbatches)
+                )  # padding is not a token trained on
+                self.tokens_seen += (
+                    data.global_tokens if data.global_tokens >= 0 else local_tokens * self.dims.dp_degree
+                )
                 for i, n in enumerate(data.sequences_by_source):
                     self.tokens_by_source[i] += n * cfg.training.seq_len
                 self.metrics.step_done(self.step, local_tokens)
@@ -188,6 +192,8 @@ class Trainer:
                     break  # preempted: every rank saved this step; exit 0 so the job can be requeued
             profiler.stop()
             self.check_finite()
+            if cfg.checkpoint.last_save_in_hf and self.step == cfg.training.steps and not self.checkpointer.preempted:
+                self.save_hf()
         finally:
             self.checkpointer.close()  # waits for an async save and restores the signal handlers
             self.metrics.close()
@@ -203,6 +209,17 @@ class Trainer:
                 f"{name} {n / total:.1%} ({n:,})" for name, n in zip(self.dataloader.names, self.tokens_by_source)
             )
             logger.info(f"Tokens trained on by source in this run: {shares}")
+
+    def save_hf(self) -> Path:
+        """Write the model as a HuggingFace folder <checkpoint folder>/hf-step-N (every rank its shards)."""
+        out = checkpoint_folder(self.cfg) / f"hf-step-{self.step}"
+        t0 = time.perf_counter()
+        save_hf_sharded(self.model, out, TORCH_DTYPES[self.cfg.checkpoint.export_dtype], self.tokenizer)
+        logger.info(
+            f"Wrote the HuggingFace model {out} ({self.cfg.checkpoint.export_dtype}) in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+        return out
 
     def validate(self) -> float:
         """Loss on the held-out data (the same sequences every time); logged and written to TensorBoard."""

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
-from titanlite.loss import counted_labels, summed_cross_entropy
+from titanlite.loss import counted_labels, microbatch_loss
 
 
 @dataclass
@@ -70,12 +70,9 @@ class Validator:
         for step in self._batches():
             batches += 1
             for mb in step.microbatches:
-                inputs = mb.inputs.to(device, non_blocking=True)
-                labels = mb.labels.to(device, non_blocking=True)
-                logits = model(inputs)
-                totals[0] += summed_cross_entropy(logits, labels).double()
+                loss_sum, labels = microbatch_loss(model, mb, device)
+                totals[0] += loss_sum.double()
                 totals[1] += counted_labels(labels)
-                del logits
         if batches == 0:
             raise ConfigError(
                 "validation.steps = -1: the held-out data is shorter than one global batch "

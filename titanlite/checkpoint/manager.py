@@ -5,11 +5,14 @@ preemption signals, async saves and retention.
 (titanlite.checkpoint.parts); a model-only save (`last_save_model_only`) holds just "model". Every rank
 writes its own shards and nobody gathers the full model. A save is written to `.tmp-step-N` and renamed
 to `step-N` by rank 0 when its DCP save returns: DCP writes `.metadata` only after it has collected
-every rank's write results, so a folder named `step-N` is always complete.
+every rank's write results, so a folder named `step-N` is always complete. Rank 0 adds the run's
+config (`job_config.toml`) and the model's shape (`model_args.json`), so that a checkpoint can be
+exported or inspected without the job's TOML.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -36,10 +39,13 @@ from titanlite.checkpoint.catalog import (
     wanted_parts,
 )
 from titanlite.checkpoint.consolidated import check_model_fits, load_consolidated, model_prefix, saved_shapes
+from titanlite.checkpoint.hf_io import load_hf_weights
 from titanlite.checkpoint.parts import ModelPart, OptimizerPart, SchedulerPart, TrainStatePart
-from titanlite.config import CHECKPOINT_PARTS, JobConfig
+from titanlite.config import CHECKPOINT_PARTS, JobConfig, to_toml
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
+from titanlite.models.hf_config import is_hf_folder
+from titanlite.models.llama_args import args_to_dict
 
 logger = logging.getLogger("titanlite")
 
@@ -58,6 +64,7 @@ class CheckpointManager:
         self, cfg: JobConfig, *, model, optimizer, lr_scheduler, dataloader, train_state, device: torch.device
     ):
         self.cfg = cfg.checkpoint
+        self.job_config_text = to_toml(cfg)
         self.enabled = cfg.checkpoint.enable
         self.folder = checkpoint_folder(cfg)
         self.wanted = wanted_parts(cfg)
@@ -132,7 +139,15 @@ class CheckpointManager:
         )
 
     def _load_initial(self, path: Path) -> None:
-        """Model weights only, from a DCP folder (step-N or plain model keys) or a consolidated file."""
+        """Model weights only, from a HF folder, a DCP folder (step-N or plain model keys) or a consolidated file."""
+        if is_hf_folder(path):
+            t0 = time.perf_counter()
+            load_hf_weights(self.model, path)
+            logger.info(
+                f"Loaded initial model weights from the HuggingFace folder {path} in "
+                f"{time.perf_counter() - t0:.1f} s (checkpoint.initial_load_path)"
+            )
+            return
         model_sd = get_model_state_dict(self.model)
         if path.is_dir():
             try:
@@ -229,6 +244,9 @@ class CheckpointManager:
         if self.rank != 0:
             return
         tmp, final = self.folder / f"{TMP_PREFIX}{step}", self.folder / f"{STEP_PREFIX}{step}"
+        (tmp / "job_config.toml").write_text(self.job_config_text)
+        if hasattr(self.model, "args"):
+            (tmp / "model_args.json").write_text(json.dumps(args_to_dict(self.model.args), indent=2) + "\n")
         if final.exists():  # an earlier save of the same step (a rerun from an older checkpoint)
             shutil.rmtree(final)
         os.rename(tmp, final)

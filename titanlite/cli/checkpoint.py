@@ -1,30 +1,84 @@
-"""`python -m titanlite.checkpoint export --checkpoint DIR --output FILE [--dtype bfloat16]`."""
+"""`python -m titanlite.checkpoint export`: write a checkpoint's model as one consolidated file or a HF folder.
+
+    python -m titanlite.checkpoint export --checkpoint DIR --output FILE [--dtype bfloat16]
+    python -m titanlite.checkpoint export --checkpoint DIR --output FOLDER --format hf [--dtype bfloat16]
+
+DIR is a step-N folder or a checkpoint folder (its newest step). The HF export reads the model's shape
+and the tokenizer from the job_config.toml and model_args.json saved in the step folder.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from titanlite.checkpoint.consolidated import export
+from titanlite.checkpoint.catalog import read_metadata
+from titanlite.checkpoint.consolidated import export, model_prefix, resolve_step
+from titanlite.checkpoint.hf_io import DEFAULT_MAX_FILE_BYTES, export_hf
+from titanlite.config import load
+from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
+from titanlite.models.llama_args import args_from_dict
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Export a checkpoint's model as one consolidated state-dict file; 0 done, 2 bad input."""
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m titanlite.checkpoint", description="Export the model of a titanlite checkpoint."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="write a checkpoint's model as one consolidated state-dict file")
+    ex = sub.add_parser("export", help="write a checkpoint's model as one consolidated file or a HF folder")
     ex.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoint folder (its newest)")
-    ex.add_argument("--output", required=True, help="file to write (torch.save of {fqn: tensor})")
+    ex.add_argument("--output", required=True, help="file (consolidated) or folder (hf) to write")
+    ex.add_argument(
+        "--format",
+        choices=("consolidated", "hf"),
+        default="consolidated",
+        help="consolidated: torch.save of {name: tensor}; hf: config.json + sharded safetensors",
+    )
     ex.add_argument(
         "--dtype", choices=list(TORCH_DTYPES), default=None, help="cast floating tensors (default: as saved)"
     )
-    args = parser.parse_args(argv)
+    ex.add_argument(
+        "--max-shard-size",
+        type=int,
+        default=DEFAULT_MAX_FILE_BYTES,
+        help="hf: bytes per safetensors file at most (default 5 GiB)",
+    )
+    return parser.parse_args(argv)
+
+
+def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_bytes: int) -> int:
+    """The HF export of a step folder; returns the number of tensors written."""
+    step = resolve_step(checkpoint)
     try:
+        metadata = read_metadata(step)
+    except ValueError as e:
+        raise ConfigError(f"--checkpoint {step} is not a usable DCP checkpoint: {e}") from None
+    args_file, config_file = step / "model_args.json", step / "job_config.toml"
+    if not args_file.is_file() or not config_file.is_file():
+        raise ConfigError(
+            f"--checkpoint {step} has no model_args.json / job_config.toml (saved by titanlite since "
+            f"HF export exists); export --format consolidated, or save it again with this version"
+        )
+    args = args_from_dict(json.loads(args_file.read_text()))
+    cfg = load(["--job.config_file", str(config_file)])
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    return export_hf(
+        step, model_prefix(metadata), output, args, TORCH_DTYPES[dtype] if dtype else None, tokenizer, max_file_bytes
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Export; 0 done, 2 bad input."""
+    args = _parse(argv)
+    try:
+        if args.format == "hf":
+            n = export_to_hf(Path(args.checkpoint), Path(args.output), args.dtype, args.max_shard_size)
+            print(f"wrote {args.output}: HuggingFace folder, {n} tensors, dtype {args.dtype or 'as saved'}")
+            return 0
         sd = export(Path(args.checkpoint), Path(args.output), args.dtype)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

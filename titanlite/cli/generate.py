@@ -10,16 +10,19 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
 from titanlite.checkpoint.catalog import checkpoint_folder
 from titanlite.config import load
+from titanlite.data.chat import load_template
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.distributed import init_distributed, pick_device, shutdown, world_size_from_env
 from titanlite.errors import ConfigError
 from titanlite.generation import generate, inference_model, load_weights, resolve_checkpoint
 from titanlite.metrics import setup_logging
+from titanlite.models.hf_config import is_hf_folder
 from titanlite.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titanlite")
@@ -46,7 +49,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (rank 0's draw is broadcast)")
     p.add_argument(
-        "--stop-at-eos", action="store_true", help="stop at the end-of-text token (default: go on into a new document)"
+        "--stop-at-eos",
+        action="store_true",
+        help="stop at the end-of-text token or an instruct model's end-of-turn token (default: go on)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="render --prompt as a user message with the chat template (data.chat_template) and print the "
+        "assistant's reply; stops at the end of the turn",
     )
     return p.parse_known_args(argv)
 
@@ -59,6 +70,14 @@ def run(argv: list[str]) -> str:
             f"--max-new-tokens {args.max_new_tokens}, --top-k {args.top_k} and --temperature "
             f"{args.temperature} must be >= 0"
         )
+    if args.checkpoint and is_hf_folder(args.checkpoint):
+        # A HuggingFace folder: its config.json gives the shape, its tokenizer (if any) the tokenizer.
+        hf = ["--model.flavor", "hf", "--checkpoint.initial_load_path", args.checkpoint]
+        if (Path(args.checkpoint) / "tokenizer.json").is_file() and not any(
+            o.startswith("--model.tokenizer_path") for o in overrides
+        ):
+            hf += ["--model.tokenizer_path", args.checkpoint]
+        overrides = hf + overrides
     cfg = load(["--job.config_file", args.config, *overrides])
     world = world_size_from_env()
     dims = ParallelDims.from_config(cfg.parallelism, world) if world > 1 else None
@@ -79,7 +98,14 @@ def run(argv: list[str]) -> str:
     else:
         load_weights(model, checkpoint)
         logger.info(f"Loaded {checkpoint}")
-    prompt_ids = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
+    if args.chat:  # the conversation so far, ending with the assistant's header
+        text = load_template(cfg.data.chat_template, tokenizer).render(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
+        prompt_ids = tokenizer.encode_with_specials(text)
+        prompt_ids = prompt_ids if prompt_ids[:1] == [tokenizer.bos_id] else [tokenizer.bos_id, *prompt_ids]
+    else:
+        prompt_ids = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
     t0 = time.perf_counter()
     new = generate(
         model,
@@ -88,7 +114,7 @@ def run(argv: list[str]) -> str:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
-        eos_id=tokenizer.eos_id if args.stop_at_eos else None,
+        stop_ids=tokenizer.stop_ids if args.stop_at_eos or args.chat else (),
     )
     dt = time.perf_counter() - t0
     logger.info(f"Generated {len(new)} tokens in {dt:.1f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s, no KV cache)")
@@ -107,6 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
         return 2
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(args.prompt + completion, flush=True)
+        print(completion if args.chat else args.prompt + completion, flush=True)
     shutdown(wait_for_peers=True)
     return 0

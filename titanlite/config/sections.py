@@ -57,8 +57,14 @@ class Job:
 @dataclass
 class Model:
     name: str = _f("llama3", "model family; only llama3 is built in", _one_of("llama3"), "llama3")
-    flavor: str = _f("debugmodel", "model size from the family's flavors (debugmodel, 1B, 8B, 70B, ...)")
-    tokenizer_path: str = _f("", "HuggingFace tokenizer.json (file or folder); empty = built-in byte tokenizer")
+    flavor: str = _f(
+        "debugmodel",
+        "model size: debugmodel, tiny, 8B, 70B (Llama 3), 3.1-8B, 3.1-70B, 405B (3.1), 1B, 3B (3.2), 3.3-70B; "
+        "hf = the shape of the HuggingFace folder in checkpoint.initial_load_path",
+    )
+    tokenizer_path: str = _f(
+        "", "HuggingFace tokenizer: a tokenizer.json or a folder with one (a HF model folder); '' = built-in bytes"
+    )
     vocab_size: int = _f(
         0,
         "embedding rows; 0 = the flavor's, or the tokenizer's size when the flavor has none",
@@ -66,6 +72,13 @@ class Model:
         "0 or a number > 0",
     )
     tie_embeddings: bool = _f(False, "share the input embedding and output projection weights")
+    attention: str = _f(
+        "causal",
+        "causal: every token attends to all earlier tokens of its sequence; block_causal: only to earlier tokens "
+        "of its own document, with RoPE positions restarting at each document (packed documents, chat data)",
+        _one_of("causal", "block_causal"),
+        "causal or block_causal",
+    )
 
 
 @dataclass
@@ -98,6 +111,13 @@ class Training:
     seed: int = _f(42, "seed for weight init and any randomness; the same on every rank")
     enable_cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
     deterministic: bool = _f(False, "use deterministic algorithms (slower on GPU)")
+    loss_on: str = _f(
+        "assistant",
+        "chat data: the tokens that count in the loss: assistant (every reply), last_assistant (the last reply of "
+        "each conversation) or all",
+        _one_of("assistant", "last_assistant", "all"),
+        "assistant, last_assistant or all",
+    )
 
 
 @dataclass
@@ -121,6 +141,22 @@ class Data:
         "steps prepared ahead in a background thread; 0 = prepare each step in the training loop",
         _non_negative,
         "a number >= 0",
+    )
+    format: str = _f(
+        "text",
+        "text: documents packed back to back into windows; chat: conversations rendered with a chat template, "
+        "packed whole (never split) and padded, the loss on training.loss_on",
+        _one_of("text", "chat"),
+        "text or chat",
+    )
+    messages_field: str = _f("messages", "chat: the record field with the list of {role, content} messages")
+    prompt_field: str = _f("prompt", "chat: without a messages field, the user's prompt ...")
+    response_field: str = _f("response", "chat: ... and the assistant's response")
+    system_field: str = _f("system", "chat: an optional system message beside prompt/response")
+    chat_template: str = _f(
+        "",
+        "chat: '' = the tokenizer's chat_template (tokenizer_config.json; the byte tokenizer: titanlite's), "
+        "'builtin' = titanlite's simple template, or a .jinja file",
     )
     text_unit: str = _f(
         "line",
@@ -214,9 +250,18 @@ class Checkpoint:
         "disabled or async",
     )
     last_save_model_only: bool = _f(False, "at the last step save only the model, in export_dtype (for export)")
-    export_dtype: str = _f("float32", "dtype of the model-only last save: float32, bfloat16, float16", **_DTYPE)
+    export_dtype: str = _f(
+        "float32", "dtype of the model-only and HuggingFace last saves: float32, bfloat16, float16", **_DTYPE
+    )
+    last_save_in_hf: bool = _f(
+        False,
+        "after the last step also write the model as a HuggingFace folder <folder>/hf-step-N (every rank "
+        "writes its shards), in export_dtype, with config.json and the tokenizer files",
+    )
     initial_load_path: str = _f(
-        "", "model weights to start a new run from: a DCP folder (step-N) or a consolidated file; unused when resuming"
+        "",
+        "model weights to start a new run from: a DCP folder (step-N), a consolidated file, or a HuggingFace model "
+        "folder (config.json + *.safetensors); unused when resuming",
     )
 
 

@@ -17,18 +17,21 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from titanlite.config import JobConfig
-from titanlite.data.datasets_io import DatasetSpec, has_split, is_local, open_table
+from titanlite.data.chat import ChatEncoder
+from titanlite.data.datasets_io import BUILTIN, DatasetSpec, has_split, is_local, open_table
 from titanlite.data.encoders import TextEncoder
 from titanlite.data.loader import Prefetcher, StoreDataLoader
 from titanlite.data.packing import PackedDataLoader
-from titanlite.data.sequences import WindowLayout
+from titanlite.data.sequences import PackedLayout, WindowLayout
 from titanlite.data.sources import DocumentSource
 from titanlite.data.store import MANIFEST, TokenStore, token_dtype
 from titanlite.data.store_build import (
     Progress,
     build_part,
     cache_root,
+    describe_skips,
     finalize,
+    merge_skips,
     new_build_dir,
     share,
     store_key,
@@ -66,9 +69,14 @@ def training_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
     """The training datasets and their weights."""
     t = cfg.training
     return [
-        (DatasetSpec(name, t.dataset_split, t.dataset_text_field, t.dataset_config, cfg.data.text_unit), w)
+        (DatasetSpec(name, t.dataset_split, _text_field(cfg), t.dataset_config, cfg.data.text_unit), w)
         for name, w in parse_mixture(t.dataset, "training.dataset")
     ]
+
+
+def _text_field(cfg: JobConfig) -> str | None:
+    """The text field of plain-text records; chat records have none (their fields are data.*_field)."""
+    return cfg.training.dataset_text_field if cfg.data.format == "text" else None
 
 
 def validation_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
@@ -80,7 +88,7 @@ def validation_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
                 DatasetSpec(
                     name,
                     v.dataset_split,
-                    t.dataset_text_field,
+                    _text_field(cfg),
                     t.dataset_config,
                     cfg.data.text_unit,
                     key="validation.dataset",
@@ -94,7 +102,7 @@ def validation_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
         held_out = DatasetSpec(
             spec.name, v.dataset_split, spec.text_field, spec.config_name, spec.text_unit, key="validation.dataset"
         )
-        if spec.name != "builtin" and v.dataset_split == spec.split:
+        if spec.name not in BUILTIN and v.dataset_split == spec.split:
             raise ConfigError(
                 f"validation.dataset_split = {v.dataset_split!r} is the training split of "
                 f"training.dataset = {spec.name!r}; valid: a held-out split name (e.g. 'validation')"
@@ -133,19 +141,43 @@ def _check_prepared(path: pathlib.Path, spec: DatasetSpec, encoder) -> TokenStor
     return store
 
 
+def make_encoder(cfg: JobConfig, tokenizer, spec: DatasetSpec):
+    """How records become documents: plain text, or chat conversations with a loss mask (data.format)."""
+    if cfg.data.format == "chat":
+        return ChatEncoder(tokenizer, spec, cfg.data, cfg.training.loss_on)
+    return TextEncoder(tokenizer, spec)
+
+
+def _check_first_record(cfg: JobConfig, spec: DatasetSpec, encoder) -> None:
+    """Open the dataset and check its first record (its text field, or that it is a conversation)."""
+    if cfg.data.format == "text":
+        next(DocumentSource(spec).documents(), None)
+        return
+    source = DocumentSource(spec)
+    record = next(iter(source.records()), None)
+    if record is None:
+        raise ConfigError(f"{spec.key} = {spec.name!r} has no records")
+    conversation = encoder.conversation(record)
+    if isinstance(conversation, str):
+        raise ConfigError(
+            f"{spec.key} = {spec.name!r}, data.format = 'chat': its first record is not a "
+            f"conversation ({conversation}); fields: {sorted(record)}; set data.messages_field or "
+            f"data.prompt_field / data.response_field"
+        )
+    encoder.encode(conversation)  # renders with the template: a template that cannot fails here
+
+
 def check_data(cfg: JobConfig, tokenizer) -> None:
     """Every data check that needs no process group: names, splits, fields, existing stores (ConfigError)."""
     for which, specs in (
         ("training", training_specs(cfg)),
         ("validation", validation_specs(cfg) if cfg.validation.enable else []),
     ):
-        if cfg.data.store == "none" and len(specs) > 1:
-            raise ConfigError(
-                f"{which}.dataset names a mixture of {len(specs)} datasets, which needs token stores; "
-                f"valid: data.store = 'auto', or a single dataset"
-            )
+        if cfg.data.store == "none" and (len(specs) > 1 or cfg.data.format == "chat"):
+            what = f"a mixture of {len(specs)} datasets" if len(specs) > 1 else "chat data (data.format = 'chat')"
+            raise ConfigError(f"{which}.dataset: {what} needs token stores; valid: data.store = 'auto'")
         for spec, _ in specs:
-            encoder = TextEncoder(tokenizer, spec)
+            encoder = make_encoder(cfg, tokenizer, spec)
             if (path := prepared_store(spec)) is not None:
                 _check_prepared(path, spec, encoder)
                 continue
@@ -154,7 +186,7 @@ def check_data(cfg: JobConfig, tokenizer) -> None:
                 if (final / MANIFEST).is_file():
                     TokenStore(final)  # refuses a corrupt one with a message saying how to rebuild it
                     continue
-            next(DocumentSource(spec).documents(), None)  # opens it and checks the first record's text field
+            _check_first_record(cfg, spec, encoder)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -179,6 +211,11 @@ def open_or_build_store(spec: DatasetSpec, encoder, folder: pathlib.Path) -> Tok
         dist.broadcast_object_list(exists, src=0)
     if exists[0]:
         store = TokenStore(final)
+        if store.info.source.get("skipped") and rank == 0:
+            logger.warning(
+                f"Token store {final} was built without some records of {spec.name!r}: "
+                f"{describe_skips(store.info.source['skipped'])}"
+            )
         logger.info(
             f"Token store {final}: {store.num_documents:,} documents, {store.num_tokens:,} tokens "
             f"({spec.key} = {spec.name!r})"
@@ -213,6 +250,7 @@ def _build(spec, encoder, final, key, tag, rank, world, group) -> TokenStore:
     if rank == 0:
         seconds = time.perf_counter() - t0
         source = {
+            "skipped": merge_skips(all_stats),
             "dataset": spec.name,
             "split": spec.split,
             "text_field": spec.text_field,
@@ -227,6 +265,10 @@ def _build(spec, encoder, final, key, tag, rank, world, group) -> TokenStore:
         )
         tokens = sum(s["tokens"] for s in all_stats)
         skipped = sum(s["skipped"] for s in all_stats)
+        if skipped:
+            logger.warning(
+                f"Skipped {skipped:,} records of {spec.key} = {spec.name!r}: {describe_skips(merge_skips(all_stats))}"
+            )
         logger.info(
             f"Built token store {final}: {sum(s['documents'] for s in all_stats):,} documents, "
             f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9) / world:,.0f} tokens/s "
@@ -263,10 +305,23 @@ def build_loader(cfg: JobConfig, tokenizer, which: str, *, dp_rank: int, dp_degr
         loader = PackedDataLoader(tokenizer, specs[0][0], **shape)
     else:
         seed = t.seed if cfg.data.shuffle and which == "training" else None
-        layouts = [
-            WindowLayout(open_or_build_store(spec, TextEncoder(tokenizer, spec), stores_folder(cfg)), t.seq_len, seed)
-            for spec, _ in specs
-        ]
+        layouts = []
+        for spec, _ in specs:
+            store = open_or_build_store(spec, make_encoder(cfg, tokenizer, spec), stores_folder(cfg))
+            if cfg.data.format == "chat":
+                layout = PackedLayout(store, t.seq_len, pad_id=tokenizer.eos_id, shuffle_seed=seed, pack_seed=t.seed)
+                if layout.truncated:
+                    logger.warning(
+                        f"{layout.truncated:,} conversations of {spec.key} = {spec.name!r} are longer "
+                        f"than training.seq_len + 1 = {t.seq_len + 1} tokens: each is cut to that length"
+                    )
+                logger.info(
+                    f"Packed {store.num_documents:,} conversations of {spec.name!r} into "
+                    f"{layout.num_windows:,} sequences of {t.seq_len + 1} tokens"
+                )
+            else:
+                layout = WindowLayout(store, t.seq_len, seed)
+            layouts.append(layout)
         loader = StoreDataLoader(
             layouts, [w for _, w in specs], names=[spec.name for spec, _ in specs], pin_memory=pin_memory, **shape
         )

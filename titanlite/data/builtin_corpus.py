@@ -27,7 +27,7 @@ SPLITS = ("train", "validation")
 _SEED = 1234
 _VAL_EVERY = 50  # every 50th document (after shuffling) is held out for validation
 _MIN_DOC_CHARS = 80  # shorter docstrings are mostly one-liners like "Return self==value."
-_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
+SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 
 
 def cache_dir() -> pathlib.Path:
@@ -73,8 +73,8 @@ def write_corpus(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     directory.mkdir(parents=True, exist_ok=True)
     train, val = split_documents(generate_documents())
     paths = _split_paths(directory)
-    _write_jsonl_atomic(paths["validation"], val)
-    _write_jsonl_atomic(paths["train"], train)
+    write_jsonl_atomic(paths["validation"], [{"text": d} for d in val])
+    write_jsonl_atomic(paths["train"], [{"text": d} for d in train])
     return paths
 
 
@@ -100,7 +100,7 @@ def _stdlib_docstrings(stdlib: pathlib.Path) -> list[str]:
     """Docstrings of modules, classes and functions in the stdlib's .py files, parsed (never imported)."""
     docs = []
     for root, dirs, files in os.walk(stdlib):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)  # sorted: walk order is part of the bytes
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)  # sorted: walk order is part of the bytes
         for name in sorted(files):
             # _sysconfigdata* is generated per machine; keep the corpus machine-independent.
             if not name.endswith(".py") or name.startswith("_sysconfigdata"):
@@ -127,12 +127,13 @@ def _docstrings(node: ast.AST) -> list[str]:
     return docs
 
 
-def _write_jsonl_atomic(path: pathlib.Path, docs: list[str]) -> None:
+def write_jsonl_atomic(path: pathlib.Path, records: list[dict]) -> None:
+    """Write one JSON record per line to a temporary file, then rename it into place."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for doc in docs:
-                f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
         os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is plain data
         os.replace(tmp, path)
     except BaseException:

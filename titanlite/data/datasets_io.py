@@ -18,6 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from titanlite.data.builtin_chat import builtin_chat_path
 from titanlite.data.builtin_corpus import SPLITS as BUILTIN_SPLITS
 from titanlite.data.builtin_corpus import builtin_corpus_path
 from titanlite.errors import ConfigError
@@ -39,9 +40,10 @@ SPLIT_WORDS = {
 }
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 TEXT_UNITS = {"line": "line", "paragraph": "paragraph", "file": "document"}  # .txt unit -> datasets' sample_by
+BUILTIN = {"builtin": builtin_corpus_path, "builtin_chat": builtin_chat_path}  # embedded datasets, by name
 VALID_DATASETS = (
-    "valid: 'builtin', an existing .json/.jsonl/.txt/.text/.parquet/.arrow file, a folder of such files or one "
-    "written by datasets' save_to_disk, or a Hugging Face Hub dataset name such as 'owner/name'"
+    "valid: 'builtin', 'builtin_chat', an existing .json/.jsonl/.txt/.text/.parquet/.arrow file, a folder of such "
+    "files or one written by datasets' save_to_disk, or a Hugging Face Hub dataset name such as 'owner/name'"
 )
 
 
@@ -51,7 +53,7 @@ class DatasetSpec:
 
     name: str  # 'builtin', a local path, or a Hub id
     split: str = "train"
-    text_field: str = "text"
+    text_field: str | None = "text"  # None: records are not plain text (chat)
     config_name: str = ""
     text_unit: str = "line"  # .txt files: one document per line, paragraph or file
     key: str = "training.dataset"  # the config key to name in messages
@@ -73,8 +75,8 @@ def _datasets():
 
 
 def is_local(spec: DatasetSpec) -> bool:
-    """True for the built-in corpus and for names that are local files or folders."""
-    return spec.name == "builtin" or pathlib.Path(spec.name).expanduser().exists()
+    """True for the embedded datasets and for names that are local files or folders."""
+    return spec.name in BUILTIN or pathlib.Path(spec.name).expanduser().exists()
 
 
 def _split_of(relative: str) -> str | None:
@@ -113,10 +115,10 @@ def local_splits(spec: DatasetSpec) -> dict[str, list[str]]:
 def resolve_local(spec: DatasetSpec, split: str | None = None) -> LocalData:
     """The builder and files of a local dataset's split (default: spec.split); ConfigError naming what exists."""
     split = split or spec.split
-    if spec.name == "builtin":
+    if spec.name in BUILTIN:
         if split not in BUILTIN_SPLITS:
-            raise ConfigError(f"{spec.key} = 'builtin' has splits {list(BUILTIN_SPLITS)}, not {split!r}")
-        return LocalData("json", (str(builtin_corpus_path(split)),))
+            raise ConfigError(f"{spec.key} = {spec.name!r} has splits {list(BUILTIN_SPLITS)}, not {split!r}")
+        return LocalData("json", (str(BUILTIN[spec.name](split)),))
     path = pathlib.Path(spec.name).expanduser()
     if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
         return LocalData("saved", (str(path),))
@@ -141,7 +143,7 @@ def resolve_local(spec: DatasetSpec, split: str | None = None) -> LocalData:
 
 def has_split(spec: DatasetSpec, split: str) -> bool:
     """Whether a dataset has this split by name (Hub datasets: assumed; opening one says otherwise)."""
-    if spec.name == "builtin":
+    if spec.name in BUILTIN:
         return split in BUILTIN_SPLITS
     if not is_local(spec):
         return True
@@ -219,7 +221,7 @@ def open_table(spec: DatasetSpec):
     ds = _open(spec, streaming=False)
     if len(ds) == 0:
         raise ConfigError(f"{spec.key} = {spec.name!r} has no documents")
-    if spec.text_field not in ds.column_names:
+    if spec.text_field is not None and spec.text_field not in ds.column_names:
         raise ConfigError(
             f"{text_field_key(spec)} = {spec.text_field!r} is not a field of the records of "
             f"{spec.key} = {spec.name!r}; fields: {sorted(ds.column_names)}"
@@ -239,7 +241,7 @@ def text_field_key(spec: DatasetSpec) -> str:
 def fingerprint(spec: DatasetSpec) -> str:
     """What identifies the dataset's content: files with their sizes and modification times, or the Hub id."""
     h = hashlib.sha256(repr((spec.name, spec.split, spec.text_field, spec.config_name, spec.text_unit)).encode())
-    if spec.name == "builtin":  # regenerated per machine with the same bytes: its content, not its mtime
+    if spec.name in BUILTIN:  # regenerated per machine with the same bytes: its content, not its mtime
         h.update(pathlib.Path(resolve_local(spec).files[0]).read_bytes())
     elif is_local(spec):
         for f in resolve_local(spec).files:

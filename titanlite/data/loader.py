@@ -36,6 +36,8 @@ class Step:
     microbatches: list[Microbatch]
     global_valid_tokens: int  # labels that count over the global batch (every rank, every microbatch)
     sequences_by_source: list[int]  # global sequences of this step from each source
+    local_tokens: int = -1  # this rank's input tokens that are not padding (-1: every input)
+    global_tokens: int = -1  # the same over the global batch
 
 
 def to_microbatches(windows: list, local_batch_size: int, pin_memory: bool = False) -> list[Microbatch]:
@@ -89,11 +91,13 @@ class StoreDataLoader:
         mine = located[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
         windows = [self.layouts[s].read(j) for s, j in mine]
         counts = [0] * len(self.layouts)
-        valid = 0
+        valid = real = 0
         for s, j in located:
             counts[s] += 1
             valid += self.layouts[s].counted(j)
-        return Step(to_microbatches(windows, self.local_batch_size, self.pin_memory), valid, counts)
+            real += self.layouts[s].real_tokens(j)
+        local = sum(self.layouts[s].real_tokens(j) for s, j in mine)
+        return Step(to_microbatches(windows, self.local_batch_size, self.pin_memory), valid, counts, local, real)
 
     def sequences_per_epoch(self) -> int:
         """Whole windows in one pass over every source's documents."""

@@ -30,6 +30,7 @@ class Window:
     tokens: np.ndarray
     positions: np.ndarray
     mask: np.ndarray
+    filled: int = -1  # tokens before the padding (-1: no padding)
 
 
 def _positions(starts: list[int], total: int) -> np.ndarray:
@@ -44,6 +45,9 @@ def positions_from_starts(starts: np.ndarray) -> np.ndarray:
     pos = np.arange(len(starts), dtype=np.int64)
     seg = np.where(starts, pos, 0)
     return pos - np.maximum.accumulate(seg)
+
+
+PACK_STREAM = 2**31 - 1
 
 
 def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -96,6 +100,10 @@ class WindowLayout:
         """Labels of window `index` that count in the loss: every one."""
         return self.window - 1
 
+    def real_tokens(self, index: int) -> int:
+        """Inputs of window `index` that are not padding: all of them."""
+        return self.window - 1
+
 
 class PackedLayout:
     """Whole documents packed into padded windows (see the module doc); `pad_id` fills the rest."""
@@ -106,9 +114,14 @@ class PackedLayout:
         self.store, self.window, self.pad_id, self.seed = store, seq_len + 1, pad_id, shuffle_seed
         lengths = store.document_lengths()
         self.truncated = int((lengths > self.window).sum())
-        order = _permutation(len(lengths), pack_seed, -1) if shuffle_seed is not None else np.arange(len(lengths))
+        # The packing order: its own random stream (not any epoch's), fixed for the whole run.
+        order = (
+            _permutation(len(lengths), pack_seed, PACK_STREAM) if shuffle_seed is not None else np.arange(len(lengths))
+        )
         self.order, self.bounds = order, self._pack(np.minimum(lengths[order], self.window))
         self._counted = self._count_labels(lengths)
+        cum = np.concatenate([[0], np.cumsum(np.minimum(lengths[order], self.window))])
+        self._filled = cum[self.bounds[1:]] - cum[self.bounds[:-1]]
         self.num_windows = len(self.bounds) - 1
         self._perm: tuple[int, np.ndarray] | None = None
 
@@ -158,11 +171,15 @@ class PackedLayout:
             tokens.append(np.full(self.window - filled, self.pad_id, dtype=np.int64))
             masks.append(np.zeros(self.window - filled, dtype=np.uint8))
             starts.append(filled)
-        return Window(np.concatenate(tokens), _positions(starts, self.window), np.concatenate(masks))
+        return Window(np.concatenate(tokens), _positions(starts, self.window), np.concatenate(masks), filled)
 
     def counted(self, index: int) -> int:
         """Labels of window `index` that count in the loss."""
         return int(self._counted[self._window_of(index)])
+
+    def real_tokens(self, index: int) -> int:
+        """Inputs of window `index` that are not padding."""
+        return min(int(self._filled[self._window_of(index)]), self.window - 1)
 
 
 class Blend:

@@ -8,7 +8,7 @@ import json
 import pathlib
 from collections.abc import Iterable, Iterator
 
-from titanlite.data.datasets_io import DatasetSpec, open_stream, resolve_local, text_field_key
+from titanlite.data.datasets_io import BUILTIN, DatasetSpec, open_stream, resolve_local, text_field_key
 from titanlite.errors import ConfigError
 
 
@@ -31,18 +31,20 @@ class DocumentSource:
 
     def __init__(self, spec: DatasetSpec):
         self.spec = spec
-        if spec.name == "builtin":
+        if spec.name in BUILTIN:
             self._path = pathlib.Path(resolve_local(spec).files[0])
         else:
             self._records = open_stream(spec)
 
+    def records(self, skip: int = 0) -> Iterator[dict]:
+        """The raw records from index `skip` on."""
+        if self.spec.name in BUILTIN:
+            return _read_jsonl(self._path, skip)
+        return iter(self._records.skip(skip) if skip else self._records)
+
     def documents(self, skip: int = 0) -> Iterator[str]:
         """The document texts from index `skip` on."""
-        if self.spec.name == "builtin":
-            records = _read_jsonl(self._path, skip)
-        else:
-            records = self._records.skip(skip) if skip else self._records
-        return _texts(records, self.spec, skip)
+        return _texts(self.records(skip), self.spec, skip)
 
 
 def _read_jsonl(path: pathlib.Path, skip: int) -> Iterator[dict]:

@@ -137,7 +137,23 @@ def build_part(
                 on_batch(hi - lo, batch_tokens)
     np.save(out_dir / f"lengths-{worker:05d}.npy", np.asarray(lengths, dtype=np.int64))
     np.save(out_dir / f"counted-{worker:05d}.npy", np.asarray(counted, dtype=np.int64))
-    return {"documents": len(lengths), "tokens": total, "skipped": skipped}
+    reasons = encode.skip_report() if hasattr(encode, "skip_report") else {}
+    return {"documents": len(lengths), "tokens": total, "skipped": skipped, "skipped_reasons": reasons}
+
+
+def merge_skips(stats: list[dict]) -> dict[str, list[int]]:
+    """{reason: [records, first record index]} over every worker's stats."""
+    out: dict[str, list[int]] = {}
+    for s in stats:
+        for reason, (n, first) in s.get("skipped_reasons", {}).items():
+            count, earliest = out.get(reason, [0, first])
+            out[reason] = [count + n, min(earliest, first)]
+    return out
+
+
+def describe_skips(skips: dict[str, list[int]]) -> str:
+    """'3 records with no assistant turn (first: record 17); ...'."""
+    return "; ".join(f"{n:,} record(s) with {reason} (first: record {first})" for reason, (n, first) in skips.items())
 
 
 def finalize(

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 from collections.abc import Iterable
 
 import torch
@@ -19,6 +20,9 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    stop_ids = (257,)  # generation stops at these
+    chat_template = None  # chat data uses titanlite's built-in template (titanlite.data.chat)
+    SPECIALS = {"<s>": 256, "</s>": 257}  # how chat templates write BOS and EOS for this tokenizer
     identity = "titanlite-byte-tokenizer-v1"  # what a token store built with it records
 
     def encode(self, text: str) -> list[int]:
@@ -28,6 +32,17 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """encode() of each text."""
         return [list(t.encode("utf-8")) for t in texts]
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """encode(), with <s> and </s> in the text read as BOS and EOS (rendered chat templates)."""
+        ids = []
+        for piece in re.split("(<s>|</s>)", text):
+            ids += [self.SPECIALS[piece]] if piece in self.SPECIALS else list(piece.encode("utf-8"))
+        return ids
+
+    def token_text(self, token_id: int) -> str:
+        """The text that stands for a token id in a template (<s>, </s>, or the byte)."""
+        return {v: k for k, v in self.SPECIALS.items()}.get(token_id) or bytes([token_id]).decode("latin-1")
 
     def decode(self, ids: Iterable[int]) -> str:
         """Return the text of ``ids``, skipping BOS/EOS; invalid UTF-8 becomes U+FFFD."""
@@ -44,6 +59,7 @@ class HFTokenizer:
     tokenizer with a single ``<|endoftext|>``-style token uses it for both.
     """
 
+    TURN_END = ("<|eot_id|>", "<|eom_id|>")  # Llama 3 instruct: the end of a turn stops generation
     BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
     EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
 
@@ -64,12 +80,18 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         named = self._config_special_tokens()
         self.bos_id = self._find_special("bos", named.get("bos_token"), self.BOS_CANDIDATES)
-        self.eos_id = self._find_special("eos", named.get("eos_token"), self.EOS_CANDIDATES)
+        configured_eos = named.get("eos_token")
+        if configured_eos in self.TURN_END and self._tok.token_to_id("<|end_of_text|>") is not None:
+            configured_eos = "<|end_of_text|>"  # Llama 3 instruct: documents end with end_of_text, turns with eot
+        self.eos_id = self._find_special("eos", configured_eos, self.EOS_CANDIDATES)
+        stops = [self.eos_id, *(self._tok.token_to_id(t) for t in self.TURN_END), *self._generation_eos()]
+        self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
         h = hashlib.sha256(self.path.read_bytes())
         config = self.path.parent / "tokenizer_config.json"
         if config.is_file():
             h.update(config.read_bytes())
         self.identity = f"hf-tokenizer-{h.hexdigest()}"  # the files' content, wherever they are
+        self.chat_template = self._config_chat_template()
 
     def _config_special_tokens(self) -> dict[str, str]:
         config = self.path.parent / "tokenizer_config.json"
@@ -87,6 +109,28 @@ class HFTokenizer:
             if isinstance(token, str):
                 out[key] = token
         return out
+
+    def _config_chat_template(self) -> str | None:
+        """tokenizer_config.json's chat_template (its 'default' one when it names several), or None."""
+        config = self.path.parent / "tokenizer_config.json"
+        try:
+            template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+        except (OSError, ValueError):
+            return None
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template if isinstance(template, str) else None
+
+    def _generation_eos(self) -> list[int]:
+        """eos_token_id of a generation_config.json next to the tokenizer (a HF model folder), if any."""
+        path = self.path.parent / "generation_config.json"
+        try:
+            ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.is_file() else None
+        except (OSError, ValueError):
+            return []
+        ids = [ids] if isinstance(ids, int) else ids or []
+        return [i for i in ids if isinstance(i, int) and 0 <= i < self.vocab_size]
 
     def _find_special(self, kind: str, configured: str | None, candidates: tuple[str, ...]) -> int:
         for token in ((configured,) if configured else ()) + candidates:
@@ -106,6 +150,14 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """encode() of each text, in parallel threads (the tokenizers library's own)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """encode(); special tokens written in the text (<|eot_id|>, ...) become their ids, as in encode()."""
+        return self.encode(text)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of a token id (a special token's name)."""
+        return self._tok.id_to_token(token_id)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Return the text of ``ids``, skipping special tokens."""

@@ -17,22 +17,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.models.llama_args import LlamaArgs
+from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, rope_table
 
-__all__ = ["LlamaArgs", "Transformer", "TransformerBlock"]
-
-
-def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """Complex rotations e^{i m w_j} for positions m < max_seq_len, shape (max_seq_len, head_dim // 2)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), freqs)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-
-
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of features of x (batch, seq, heads, head_dim) by the table's first seq rows."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rotated = xc * table[: x.shape[1]].view(1, x.shape[1], 1, -1)
-    return torch.view_as_real(rotated).flatten(3).type_as(x)
+__all__ = ["LlamaArgs", "Transformer", "TransformerBlock", "rope_table"]
 
 
 class Attention(nn.Module):
@@ -44,18 +31,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
         b, s, _ = x.shape
         q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), rope)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -79,8 +60,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -90,7 +71,11 @@ def is_transformer_block(name: str, module: nn.Module) -> bool:
 
 
 class Transformer(nn.Module):
-    """Llama 3 decoder: tokens (batch, seq) -> logits (batch, seq, vocab)."""
+    """Llama 3 decoder: tokens (batch, seq) -> logits (batch, seq, vocab).
+
+    With args.attention = "block_causal", forward(tokens, positions) attends within each document only
+    (a position of 0 starts one) and rotates by the positions; without positions it is causal.
+    """
 
     # Submodules that get their own fully_shard, as predicates over (qualified name, module).
     # Embedding and output groups are added by shard_groups(); the root is sharded last by the caller.
@@ -107,12 +92,20 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        self.attention_kernel = "auto"  # block-causal kernel: auto (flex on CUDA, else SDPA), sdpa or flex
+        self.register_buffer("rope", self._rope_table(), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _rope_table(self, device=None) -> torch.Tensor:
+        a = self.args
+        return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        rope, mask = self.rope, None
+        if positions is not None and self.args.attention == "block_causal":
+            rope, mask = self.rope[positions], block_causal_mask(positions, self.attention_kernel)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope)
+            h = layer(h, rope, mask)
         return self.output(self.norm(h))
 
     def shard_groups(self) -> list[list[nn.Module]]:
@@ -123,9 +116,12 @@ class Transformer(nn.Module):
         return [[self.tok_embeddings]] + units + [[self.norm, self.output]]
 
     def init_buffers(self) -> None:
-        """Recompute non-persistent buffers (garbage after to_empty, and not in checkpoints)."""
-        a = self.args
-        self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope.device)
+        """Recompute non-persistent buffers (garbage after to_empty, and not in checkpoints); re-tie the output."""
+        self.rope = self._rope_table(device=self.rope.device)
+        # to_empty from the meta device gives each module its own tensor, untying a plain (unsharded) model;
+        # a sharded one keeps the tie (both modules share one DTensor parameter in one FSDP group).
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -10,7 +10,10 @@ import importlib
 from dataclasses import dataclass
 
 from titanlite.errors import ConfigError
+from titanlite.models.hf_config import args_from_config, mismatches, read_config
 from titanlite.models.llama_args import LLAMA3_FLAVORS, LlamaArgs
+
+HF_FLAVOR = "hf"  # the shape comes from a HuggingFace folder's config.json
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ FAMILIES: dict[str, Family] = {"llama3": Family(flavors=LLAMA3_FLAVORS, model="t
 def flavors(name: str) -> list[str]:
     """The flavor names of a model family."""
     family = FAMILIES.get(name)
-    return list(family.flavors) if family else []
+    return [*family.flavors, HF_FLAVOR] if family else []
 
 
 def model_class(name: str) -> type:
@@ -36,9 +39,35 @@ def model_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int) -> LlamaArgs:
-    """The arguments for a [model] config section, with the vocabulary sized for the tokenizer."""
-    args = FAMILIES[model_cfg.name].flavors[model_cfg.flavor]
+def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=None) -> LlamaArgs:
+    """The arguments for a [model] config section, with the vocabulary sized for the tokenizer.
+
+    hf_folder: a HuggingFace model folder the weights come from; with flavor "hf" its config.json gives
+    the shape, with any other flavor every field the weights depend on must agree with it.
+    """
+    if model_cfg.flavor == HF_FLAVOR:
+        if hf_folder is None:
+            raise ConfigError(
+                "model.flavor = 'hf' takes the model's shape from a HuggingFace folder's config.json: "
+                "set checkpoint.initial_load_path to that folder, or choose a built-in flavor"
+            )
+        args = args_from_config(read_config(hf_folder), str(hf_folder))
+    else:
+        args = FAMILIES[model_cfg.name].flavors[model_cfg.flavor]
+        if hf_folder is not None:
+            hf = args_from_config(read_config(hf_folder), str(hf_folder))
+            diff = mismatches(
+                args.with_overrides(
+                    vocab_size=model_cfg.vocab_size or args.vocab_size or tokenizer_vocab_size,
+                    tie_embeddings=model_cfg.tie_embeddings or args.tie_embeddings,
+                ),
+                hf,
+            )
+            if diff:
+                raise ConfigError(
+                    f"model.flavor = {model_cfg.flavor!r} does not match {hf_folder}/config.json: "
+                    f"{'; '.join(diff)}; use model.flavor = 'hf' to take the folder's shape"
+                )
     vocab = model_cfg.vocab_size or args.vocab_size or tokenizer_vocab_size
     if vocab < tokenizer_vocab_size:
         raise ConfigError(
@@ -46,6 +75,7 @@ def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int) -> LlamaArgs:
             f"{tokenizer_vocab_size} tokens; set model.vocab_size >= {tokenizer_vocab_size} or 0"
         )
     return args.with_overrides(
+        attention=model_cfg.attention,
         vocab_size=vocab,
         tie_embeddings=model_cfg.tie_embeddings or args.tie_embeddings,
         max_seq_len=max(args.max_seq_len, seq_len),

@@ -1,0 +1,276 @@
+"""HuggingFace safetensors model folders in and out, with the model kept sharded.
+
+Import: torch.distributed.checkpoint's HuggingFaceStorageReader reads, on every rank, only the slices
+its shards need (q/k weights are read column-sharded, so that each rank holds whole rows to permute,
+then resharded by rows). Export from a run: every rank writes its shards (HuggingFaceStorageWriter) and
+every rank then stitches some of the output files together on disk; nobody gathers the model. Export
+of a saved checkpoint: one process, one output file's tensors in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import empty as dtensor_empty
+
+from titanlite.checkpoint.hf_adapter import (
+    half_split_to_interleaved,
+    hf_shapes,
+    interleaved_to_half_split,
+    rope_heads,
+    to_hf_name,
+)
+from titanlite.errors import ConfigError
+from titanlite.models.hf_config import config_from_args, generation_config
+from titanlite.models.llama_args import LlamaArgs
+
+INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_FILE_BYTES = 5 * 1024**3  # HF's default shard size
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)  # buffers some old exports store
+
+
+def _safetensors():
+    try:
+        import safetensors.torch  # lazy: an optional package (pip install safetensors), HF folders only
+
+        return safetensors
+    except ImportError as e:
+        raise ConfigError(
+            "reading or writing HuggingFace weights needs the safetensors package: pip install safetensors"
+        ) from e
+
+
+def read_hf_tensors(folder: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor in a folder's *.safetensors files: name -> (file name, shape); ConfigError for a bad file."""
+    st = _safetensors()
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"{folder} has no *.safetensors file (HF weights are model.safetensors, or "
+            f"model-0000N-of-0000M.safetensors with {INDEX})"
+        )
+    out = {}
+    for f in files:
+        try:
+            with st.safe_open(str(f), framework="pt") as h:
+                for key in h.keys():
+                    out[key] = (f.name, tuple(h.get_slice(key).get_shape()))
+        except Exception as e:  # safetensors raises its own SafetensorError for truncated or foreign files
+            raise ConfigError(
+                f"{f} is not a readable safetensors file ({type(e).__name__}: {e}); it may be "
+                f"truncated: download or export it again"
+            ) from None
+    return out
+
+
+def check_hf_weights(folder: pathlib.Path, args: LlamaArgs) -> None:
+    """ConfigError naming every missing, unexpected or mis-shaped tensor of a folder for this model shape."""
+    found, expected = read_hf_tensors(folder), hf_shapes(args)
+    missing = [n for n in expected if n not in found]
+    unexpected = [
+        n
+        for n in found
+        if n not in expected
+        and not n.endswith(IGNORED_HF_TENSORS)
+        and not (n == "lm_head.weight" and args.tie_embeddings)
+    ]
+    wrong = [
+        f"{n} has shape {found[n][1]} in {found[n][0]} but the model needs {expected[n]}"
+        for n in expected
+        if n in found and found[n][1] != expected[n]
+    ]
+    problems = []
+    for what, items in (("missing tensors", missing), ("unexpected tensors", unexpected), ("wrong shapes", wrong)):
+        if items:
+            more = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
+            problems.append(f"{what}: {'; '.join(items[:5])}{more}")
+    if problems:
+        raise ConfigError(
+            f"{folder} does not fit the model (dim {args.dim}, {args.n_layers} layers, vocab "
+            f"{args.vocab_size}, tied embeddings {args.tie_embeddings}): {' | '.join(problems)}"
+        )
+
+
+def _column_sharded(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like t, but split over columns where t is split over rows (whole rows on every rank)."""
+    if not isinstance(t, DTensor):
+        return torch.empty_like(t)
+    placements = [Shard(1) if isinstance(p, Shard) else p for p in t.placements]
+    return dtensor_empty(t.shape, dtype=t.dtype, device_mesh=t.device_mesh, placements=placements)
+
+
+def _permute_rows(t: torch.Tensor, heads: int, fn, placements=None) -> torch.Tensor:
+    """fn (a row permutation) applied to t; a DTensor is moved to column shards first and, with
+    `placements`, resharded to them afterwards."""
+    if not isinstance(t, DTensor):
+        return fn(t, heads)
+    cols = t.redistribute(placements=[Shard(1) if isinstance(p, Shard) else p for p in t.placements])
+    out = DTensor.from_local(
+        fn(cols.to_local(), heads), cols.device_mesh, cols.placements, shape=t.shape, stride=t.stride()
+    )
+    return out.redistribute(placements=placements) if placements is not None else out
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
+    """Load a HF folder's weights into the (sharded or plain) model; each rank reads only its slices."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader  # needs safetensors: checked above
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    folder = pathlib.Path(folder).expanduser()
+    args = model.args
+    check_hf_weights(folder, args)
+    sd = get_model_state_dict(model)
+    dest, permuted = {}, {}
+    for name, t in sd.items():
+        if name == "output.weight" and args.tie_embeddings:
+            continue
+        heads = rope_heads(name, args)
+        dest[to_hf_name(name)] = t if heads is None else _column_sharded(t)
+        if heads is not None:
+            permuted[name] = (dest[to_hf_name(name)], heads)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
+    for name, (loaded, heads) in permuted.items():
+        target = sd[name]
+        value = _permute_rows(
+            loaded, heads, half_split_to_interleaved, target.placements if isinstance(target, DTensor) else None
+        )
+        (target.to_local() if isinstance(target, DTensor) else target).copy_(
+            value.to_local() if isinstance(value, DTensor) else value
+        )
+    set_model_state_dict(model, sd)
+
+
+def file_mapping(args: LlamaArgs, itemsize: int, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> dict[str, int]:
+    """HF tensor name -> output file index (1..N), in model order, each file at most max_file_bytes."""
+    mapping, index, used = {}, 1, 0
+    for name, shape in hf_shapes(args).items():
+        size = math.prod(shape) * itemsize
+        if used and used + size > max_file_bytes:
+            index, used = index + 1, 0
+        mapping[name] = index
+        used += size
+    return mapping
+
+
+def write_metadata(out: pathlib.Path, args: LlamaArgs, dtype: str, tokenizer) -> None:
+    """config.json, generation_config.json and, for a HF tokenizer, its files."""
+    bos = getattr(tokenizer, "bos_id", None)
+    eos_ids = list(getattr(tokenizer, "stop_ids", None) or [tokenizer.eos_id])
+    (out / "config.json").write_text(json.dumps(config_from_args(args, dtype, bos, eos_ids), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos_ids), indent=2) + "\n")
+    tok_path = getattr(tokenizer, "path", None)
+    if tok_path is not None:
+        for name in TOKENIZER_FILES:
+            if (pathlib.Path(tok_path).parent / name).is_file():
+                shutil.copyfile(pathlib.Path(tok_path).parent / name, out / name)
+
+
+@torch.no_grad()
+def save_hf_sharded(
+    model: torch.nn.Module,
+    out: str | pathlib.Path,
+    dtype: torch.dtype,
+    tokenizer,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> None:
+    """Write the model as a HF folder from every rank of the job (call on all ranks)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter  # needs safetensors: checked below
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    _safetensors()
+    out = pathlib.Path(out)
+    args = model.args
+    state = {}
+    for name, t in get_model_state_dict(model).items():
+        if name == "output.weight" and args.tie_embeddings:
+            continue
+        t = t.detach().to(dtype)
+        heads = rope_heads(name, args)
+        state[to_hf_name(name)] = t if heads is None else _permute_rows(t, heads, interleaved_to_half_split)
+    mapping = file_mapping(args, dtype.itemsize, max_file_bytes)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sharded = out / "sharded"
+    if rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        sharded.mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
+    writer = HuggingFaceStorageWriter(str(sharded), fqn_to_index_mapping=mapping, save_distributed=True)
+    dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+    consolidate_safetensors_files_on_every_rank(str(sharded), str(out), mapping)
+    if rank == 0:
+        shutil.rmtree(sharded)
+        write_metadata(out, args, str(dtype).removeprefix("torch."), tokenizer)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@torch.no_grad()
+def export_hf(
+    checkpoint: pathlib.Path,
+    prefix: str,
+    out: pathlib.Path,
+    args: LlamaArgs,
+    dtype: torch.dtype | None,
+    tokenizer,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> int:
+    """Write a DCP checkpoint's model as a HF folder, one output file's tensors in memory at a time (one
+    process); returns the number of tensors."""
+    st = _safetensors()
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    saved = {
+        k[len(prefix) :]: md
+        for k, md in metadata.items()
+        if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    names = {to_hf_name(n): n for n in saved if not (n == "output.weight" and args.tie_embeddings)}
+    itemsize = (dtype or next(iter(saved.values())).properties.dtype).itemsize
+    mapping = file_mapping(args, itemsize, max_file_bytes)
+    missing = sorted(set(mapping) - set(names))
+    if missing:
+        raise ConfigError(f"{checkpoint} does not hold the model its config describes: missing {missing[:5]}")
+    out.mkdir(parents=True, exist_ok=True)
+    files = max(mapping.values())
+    weight_map, total = {}, 0
+    for index in range(1, files + 1):
+        group = [hf for hf, i in mapping.items() if i == index]
+        dest = {
+            prefix + names[hf]: torch.empty(saved[names[hf]].size, dtype=saved[names[hf]].properties.dtype)
+            for hf in group
+        }
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(dest, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+        tensors = {}
+        for hf in group:
+            t = dest[prefix + names[hf]]
+            t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            heads = rope_heads(names[hf], args)
+            tensors[hf] = (interleaved_to_half_split(t, heads) if heads else t).contiguous()
+        file_name = f"model-{index:05d}-of-{files:05d}.safetensors"
+        st.torch.save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        for hf, t in tensors.items():
+            weight_map[hf] = file_name
+            total += t.numel() * t.element_size()
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_metadata(
+        out, args, str(dtype or next(iter(saved.values())).properties.dtype).removeprefix("torch."), tokenizer
+    )
+    return len(weight_map)

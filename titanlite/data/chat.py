@@ -1,0 +1,172 @@
+"""Chat data: conversations rendered with a chat template into tokens and a loss mask.
+
+A record is a conversation: a list of {role, content} messages in `data.messages_field`, or a
+prompt/response pair in `data.prompt_field` / `data.response_field` (with an optional system message
+in `data.system_field`). It is rendered with the tokenizer's Jinja chat template (tokenizer_config.json's
+`chat_template`), `data.chat_template` (a .jinja file), or titanlite's template for the byte tokenizer
+(`BYTE_CHAT_TEMPLATE`). Only the assistant's replies, end-of-turn token included, count in the loss
+(`training.loss_on = "assistant"`; "last_assistant": only the last reply; "all": every token).
+
+The mask comes from rendering prefixes: the text up to an assistant reply with the generation prompt
+(A) and up to the end of that reply (B); B without A is the reply. Each piece is tokenized on its
+own, so a token never straddles a prompt and a reply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from collections import Counter
+from datetime import date
+
+from titanlite.data.datasets_io import DatasetSpec
+from titanlite.errors import ConfigError
+
+ROLES = ("system", "user", "assistant")
+# The byte tokenizer's template: <s> and </s> are its BOS and EOS; </s> ends every assistant reply.
+BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}### System:\n{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}### User:\n{{ m['content'] }}\n\n"
+    "{% else %}### Assistant:\n{{ m['content'] }}{{ eos_token }}\n\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+)
+LOSS_ON = ("assistant", "last_assistant", "all")
+
+
+class ChatTemplate:
+    """A Jinja chat template, rendered in a sandbox as transformers does."""
+
+    def __init__(self, source: str, bos_token: str, eos_token: str, origin: str):
+        import jinja2.sandbox  # lazy: only chat data renders templates (jinja2 comes with torch)
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: date(2024, 7, 26).strftime(fmt)  # deterministic renders
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"the chat template from {origin} does not compile: {e}") from None
+        self.source, self.bos_token, self.eos_token, self.origin = source, bos_token, eos_token, origin
+        self.identity = hashlib.sha256(source.encode()).hexdigest()[:16]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text."""
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+
+def _raise(message):
+    raise ValueError(message)
+
+
+def load_template(setting: str, tokenizer) -> ChatTemplate:
+    """data.chat_template: '' = the tokenizer's own (the byte tokenizer: BYTE_CHAT_TEMPLATE), 'builtin' = that
+    one, else a .jinja file."""
+    bos, eos = tokenizer.token_text(tokenizer.bos_id), tokenizer.token_text(tokenizer.eos_id)
+    if setting == "builtin" or (setting == "" and tokenizer.chat_template is None and not hasattr(tokenizer, "path")):
+        return ChatTemplate(BYTE_CHAT_TEMPLATE, bos, eos, "titanlite's built-in template")
+    if setting == "":
+        if tokenizer.chat_template is None:
+            raise ConfigError(
+                f"model.tokenizer_path = {str(tokenizer.path)!r} has no chat_template (in tokenizer_config.json "
+                f"next to it), which data.format = 'chat' needs; valid: data.chat_template = a .jinja file, or "
+                f"'builtin' for titanlite's simple template"
+            )
+        return ChatTemplate(tokenizer.chat_template, bos, eos, f"{tokenizer.path.parent}/tokenizer_config.json")
+    path = pathlib.Path(setting).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"data.chat_template = {setting!r}: no such file; valid: '' (the tokenizer's), 'builtin' or a .jinja file"
+        )
+    return ChatTemplate(path.read_text(encoding="utf-8"), bos, eos, str(path))
+
+
+class ChatEncoder:
+    """Conversation records -> (tokens, loss mask); bad records are skipped and counted by reason."""
+
+    has_mask = True
+
+    def __init__(self, tokenizer, spec: DatasetSpec, data_cfg, loss_on: str):
+        self.tokenizer, self.spec, self.loss_on = tokenizer, spec, loss_on
+        self.template = load_template(data_cfg.chat_template, tokenizer)
+        self.fields = (data_cfg.messages_field, data_cfg.prompt_field, data_cfg.response_field, data_cfg.system_field)
+        self.identity = f"chat:{self.template.identity}:{loss_on}:{':'.join(self.fields)}"
+        self.skipped: Counter = Counter()
+        self.first_skipped: dict[str, int] = {}
+
+    def conversation(self, record: dict) -> list[dict] | str:
+        """The record's messages, or why it is skipped."""
+        messages_field, prompt_field, response_field, system_field = self.fields
+        if record.get(messages_field) is not None:
+            messages = record[messages_field]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                return f"'{messages_field}' is not a list of {{role, content}} messages"
+        elif record.get(prompt_field) is not None and record.get(response_field) is not None:
+            messages = [
+                {"role": "user", "content": record[prompt_field]},
+                {"role": "assistant", "content": record[response_field]},
+            ]
+            if record.get(system_field):
+                messages.insert(0, {"role": "system", "content": record[system_field]})
+        else:
+            return f"no '{messages_field}' and no '{prompt_field}'/'{response_field}' fields"
+        for m in messages:
+            if m.get("role") not in ROLES:
+                return f"unknown role {m.get('role')!r} (valid: {', '.join(ROLES)})"
+            if not isinstance(m.get("content"), str):
+                return "a message without text content"
+        if not any(m["role"] == "assistant" for m in messages):
+            return "no assistant turn"
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """Tokens and loss mask of one conversation."""
+        pieces, done = [], ""  # (text, counts in the loss)
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for i in replies:
+            prompt = self.template.render(messages[:i], add_generation_prompt=True)
+            upto = self.template.render(messages[: i + 1])
+            if not prompt.startswith(done) or not upto.startswith(prompt):
+                raise ConfigError(
+                    f"the chat template from {self.template.origin} does not render a conversation "
+                    f"as a growing prefix (needed to find the assistant's tokens); use "
+                    f"data.chat_template = 'builtin' or a template that does"
+                )
+            trained = self.loss_on == "all" or self.loss_on == "assistant" or i == replies[-1]
+            pieces += [(prompt[len(done) :], self.loss_on == "all"), (upto[len(prompt) :], trained)]
+            done = upto
+        pieces.append((self.template.render(messages)[len(done) :], self.loss_on == "all"))
+        tokens, mask = [], []
+        for text, counts in pieces:
+            ids = self.tokenizer.encode_with_specials(text)
+            tokens += ids
+            mask += [int(counts)] * len(ids)
+        if not tokens or tokens[0] != self.tokenizer.bos_id:
+            tokens, mask = [self.tokenizer.bos_id, *tokens], [0, *mask]
+        mask[0] = 0  # the first token is never a label (nothing in the conversation predicts it)
+        return tokens, mask
+
+    def __call__(self, records: dict, first_index: int = 0) -> list:
+        """(tokens, mask) per record of a batch (a dict of columns), None for a skipped record."""
+        columns = list(records)
+        out = []
+        for i in range(len(records[columns[0]]) if columns else 0):
+            conv = self.conversation({c: records[c][i] for c in columns})
+            if isinstance(conv, str):
+                self.skipped[conv] += 1
+                self.first_skipped.setdefault(conv, first_index + i)
+                out.append(None)
+            else:
+                out.append(self.encode(conv))
+        return out
+
+    def skip_report(self) -> dict[str, list[int]]:
+        """{reason: [count, first record index]} of the records skipped so far."""
+        return {reason: [n, self.first_skipped[reason]] for reason, n in self.skipped.items()}

@@ -1,0 +1,107 @@
+"""RoPE (with Llama 3.1 frequency scaling) and attention: causal, or block-causal within each document.
+
+Block-causal attention lets a token attend only to earlier tokens of its own document; documents are
+found from per-token positions (a position of 0 starts a document), and RoPE then uses those
+positions. Kernels: on CUDA, FlexAttention with a block mask built once per batch; elsewhere SDPA with
+a boolean mask, which is exact and is what the CPU tests run (`kernel="flex"` runs FlexAttention on
+the CPU too, for checking one against the other).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from titanlite.models.llama_args import RopeScaling
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """Rotation frequency of each feature pair (float64), scaled as Llama 3.1+ (HF rope_type llama3)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return freqs
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / scaling.factor, freqs)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None, device=None
+) -> torch.Tensor:
+    """Complex rotations e^{i m w_j} for positions m < max_seq_len, shape (max_seq_len, head_dim // 2)."""
+    freqs = rope_frequencies(head_dim, theta, scaling).to(device)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate feature pairs of x (batch, seq, heads, head_dim): rope is the table (positions 0..seq-1 used)
+    or per-token rotations (batch, seq, head_dim // 2)."""
+    b, s = x.shape[:2]
+    rope = rope[:s].view(1, s, 1, -1) if rope.dim() == 2 else rope.view(b, s, 1, -1)
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * rope).flatten(3).type_as(x)
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Per-token document number (batch, seq): a new document wherever the position is 0."""
+    return torch.cumsum(positions == 0, dim=1)
+
+
+def _document_mask_mod(docs: torch.Tensor):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+    return mask_mod
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention  # lazy: FlexAttention pulls in the compiler
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def block_causal_mask(positions: torch.Tensor, kernel: str = "auto"):
+    """The block-causal mask of a batch, built once and shared by every layer: a FlexAttention BlockMask
+    (CUDA, or kernel='flex') or a boolean SDPA mask (batch, 1, seq, seq)."""
+    docs = document_ids(positions)
+    b, s = docs.shape
+    if kernel == "flex" or (kernel == "auto" and positions.device.type == "cuda"):
+        from torch.nn.attention.flex_attention import create_block_mask  # lazy: see _compiled_flex
+
+        return create_block_mask(
+            _document_mask_mod(docs), b, None, s, s, device=positions.device, _compile=positions.device.type == "cuda"
+        )
+    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) q over k, v (fewer KV heads: grouped-query); causal when
+    mask is None, else block-causal with a mask from block_causal_mask."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if q.device.type == "cuda":
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    with warnings.catch_warnings():  # eager FlexAttention off the GPU is for checking, not speed: say nothing
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        return _eager_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention  # lazy: see _compiled_flex
+
+    return flex_attention
