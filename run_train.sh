@@ -12,17 +12,23 @@
 #   NNODES        nodes (default 1); NODE_RANK is not needed: torchrun's rendezvous assigns ranks
 #   RDZV_ENDPOINT host:port of the rendezvous (multi-node; default localhost:0 for one node)
 #   RDZV_ID       job id shared by all nodes (default titanlite)
-#   LOG_RANK      ranks whose output is shown (default 0; e.g. 0,1)
+#   LOG_RANK      local ranks whose output is shown (default 0; e.g. 0,1)
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
+#
+# Stopping: SIGTERM, SIGINT (Ctrl-C), SIGHUP or SIGUSR1 make every worker save at the end of its step and
+# exit 0; this script then exits 0 too. A second Ctrl-C ends everything at once.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+die() { echo "run_train.sh: $*" >&2; exit 2; }
+whole() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 args=()
 dry_run=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --config) CONFIG_FILE="$2"; shift 2 ;;
+        --config) [[ $# -ge 2 ]] || die "--config needs a value"; CONFIG_FILE="$2"; shift 2 ;;
         --config=*) CONFIG_FILE="${1#*=}"; shift ;;
         --dry-run) dry_run=1; shift ;;
         *) args+=("$1"); shift ;;
@@ -48,19 +54,65 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
 RDZV_ID=${RDZV_ID:-titanlite}
 
+whole "$NGPU" && [[ "$NGPU" -ge 1 ]] || die "NGPU=$NGPU is not valid: the processes on this node, a whole number >= 1 (e.g. NGPU=8)"
+whole "$NNODES" && [[ "$NNODES" -ge 1 ]] || die "NNODES=$NNODES is not valid: the number of nodes, a whole number >= 1"
+whole "$MAX_RESTARTS" || die "MAX_RESTARTS=$MAX_RESTARTS is not valid: how often to restart failed workers, a whole number >= 0"
+IFS=',' read -r -a log_ranks <<< "$LOG_RANK"
+for r in ${log_ranks[@]+"${log_ranks[@]}"}; do
+    whole "$r" && [[ "$r" -lt "$NGPU" ]] || \
+        die "LOG_RANK=$LOG_RANK names no local rank: with NGPU=$NGPU the local ranks are 0 to $((NGPU - 1)) (e.g. LOG_RANK=0,1)"
+done
+
 # Check the configuration against the world size before starting any process.
 TITANLITE_QUIET_CHECK=1 python -m titanlite.config --world-size $((NGPU * NNODES)) \
     --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"}
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# torchrun forwards these to the workers; SIGUSR1 (a scheduler's "preempting soon") makes them save and exit.
+# torchrun forwards these to the workers, which save at the end of the step and exit 0.
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}  # torchrun --signals-to-handle
 if [[ "$MAX_RESTARTS" -gt 0 ]]; then
     # With torchrun's rendezvous store shared with the workers, a restarted worker can read the previous
     # attempt's addresses and fail to connect (pytorch#135712, #167288); give each attempt its own store.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 fi
-exec torchrun --nnodes="$NNODES" --nproc_per_node="$NGPU" \
+# Rank 0 writes here how the workers ended: torchrun exits 1 after it forwarded a stop signal, even when every
+# worker saved and exited 0, and then this script exits 0 instead.
+TITANLITE_EXIT_STATUS_FILE=$(mktemp "${TMPDIR:-/tmp}/titanlite-exit.XXXXXX")
+export TITANLITE_EXIT_STATUS_FILE
+trap 'rm -f "$TITANLITE_EXIT_STATUS_FILE"' EXIT
+
+# torchrun runs in a session of its own, so that a terminal's Ctrl-C reaches only this script, which passes
+# each signal on once; a second Ctrl-C kills the whole session.
+setsid=()
+command -v setsid > /dev/null && setsid=(setsid)
+${setsid[@]+"${setsid[@]}"} torchrun --nnodes="$NNODES" --nproc_per_node="$NGPU" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" \
     --max-restarts="$MAX_RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
-    -m titanlite.train --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"}
+    -m titanlite.train --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"} &
+torchrun_pid=$!
+interrupts=0
+forward() {
+    if [[ "$1" == INT ]]; then
+        interrupts=$((interrupts + 1))
+        if [[ "$interrupts" -ge 2 ]]; then
+            echo "run_train.sh: second Ctrl-C: stopping every process now, without saving" >&2
+            kill -KILL -- "-$torchrun_pid" 2> /dev/null || kill -KILL "$torchrun_pid" 2> /dev/null || true
+            exit 130
+        fi
+    fi
+    kill -s "$1" "$torchrun_pid" 2> /dev/null || true
+}
+for sig in TERM INT HUP USR1 QUIT; do
+    trap "forward $sig" "$sig"
+done
+rc=0
+while true; do
+    wait "$torchrun_pid" && rc=0 || rc=$?
+    kill -0 "$torchrun_pid" 2> /dev/null || break  # a trapped signal interrupted `wait`: wait again
+done
+if [[ "$rc" -ne 0 ]] && grep -q '"status": "stopped"' "$TITANLITE_EXIT_STATUS_FILE" 2> /dev/null; then
+    echo "run_train.sh: the workers saved a checkpoint and exited 0 after the stop signal (torchrun's own exit" \
+        "status $rc is its reaction to the signal); relaunch to resume" >&2
+    rc=0
+fi
+exit "$rc"

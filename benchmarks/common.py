@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titanlite.distributed import free_port
+from titanlite.distributed import exit_process, free_port
 
 BENCH_FLAVOR = "bench"
 
@@ -80,6 +80,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, fn, args, out_di
         if dist.is_initialized():
             dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    exit_process(0)  # no interpreter teardown racing gloo's threads (see titanlite.distributed.exit_process)
 
 
 def spawn(fn, world_size: int, device: str, *args) -> list:

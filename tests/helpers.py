@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from titanlite.distributed import free_port
+from titanlite.distributed import exit_process, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
@@ -144,6 +144,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, out_dir: st
         if dist.is_initialized():
             dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    exit_process(0)  # no interpreter teardown racing gloo's threads (see titanlite.distributed.exit_process)
 
 
 def run_distributed(fn, world_size: int, *args, **kwargs) -> list:

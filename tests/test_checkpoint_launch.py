@@ -137,7 +137,7 @@ def test_sigterm_to_one_worker_saves_every_rank_and_exits_zero(tmp_path):
     out = log.read_text()
     assert rc == 0, out[-4000:]
     assert "Received SIGTERM" in out
-    saved = re.findall(r"Preempted: checkpoint of step (\d+) saved", out)
+    saved = re.findall(r"Stopped: checkpoint of step (\d+) saved", out)
     assert len(saved) == 2 and len(set(saved)) == 1, out[-4000:]  # both ranks stopped after the same step
     step = int(saved[0])
     folder = tmp_path / "checkpoint"

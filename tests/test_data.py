@@ -180,7 +180,7 @@ def test_bad_datasets_name_config_key(tmp_path):
     with pytest.raises(ValueError, match=r"training\.dataset = .*mixes file formats"):
         load_documents(str(tmp_path))
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    with pytest.raises(ValueError, match=r"training\.dataset = .*cannot read"):
+    with pytest.raises(ValueError, match=r"training\.dataset = .*line 1 of .*bad\.jsonl is not a JSON record"):
         list(load_documents(str(tmp_path / "bad.jsonl")))
     # Offline (conftest's offline_hub), a hub name fails at once instead of retrying for a while.
     with pytest.raises(ValueError, match=r"training\.dataset = 'no-such-owner/no-such-dataset'.*Hugging Face Hub"):

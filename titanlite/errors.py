@@ -12,3 +12,7 @@ class ConfigError(ValueError):
 
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradient norm became NaN or infinite."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (the message says where, why, and which checkpoint is intact)."""

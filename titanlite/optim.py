@@ -8,17 +8,15 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
+def optimizer_hyperparameters(opt_cfg) -> dict:
+    """The [optimizer] values a param group holds besides lr (a resumed run applies them over the saved ones)."""
+    return {"betas": (opt_cfg.beta1, opt_cfg.beta2), "eps": opt_cfg.eps, "weight_decay": opt_cfg.weight_decay}
+
+
 def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:
     """AdamW (or Adam) over the model's (sharded) parameters."""
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[opt_cfg.name]
-    return cls(
-        model.parameters(),
-        lr=opt_cfg.lr,
-        betas=(opt_cfg.beta1, opt_cfg.beta2),
-        eps=opt_cfg.eps,
-        weight_decay=opt_cfg.weight_decay,
-        foreach=True,
-    )
+    return cls(model.parameters(), lr=opt_cfg.lr, foreach=True, **optimizer_hyperparameters(opt_cfg))
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, min_factor: float) -> float:
@@ -39,12 +37,48 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, m
     return min_factor + (1.0 - min_factor) * shape
 
 
+class LRSchedule:
+    """The lr factor for each step: lr_factor's warmup and decay; after a re-plan (a resumed run whose
+    training.steps or [lr_scheduler] changed) a decay from the factor the old plan had reached to
+    min_factor at the new last step, so the lr never jumps.
+
+    LambdaLR saves and restores this object's attributes with its state.
+    """
+
+    def __init__(self, total_steps: int, warmup_steps: int, decay_type: str, min_factor: float):
+        self.total_steps, self.warmup_steps = total_steps, warmup_steps
+        self.decay_type, self.min_factor = decay_type, min_factor
+        self.from_step, self.from_factor = -1, 1.0  # the re-plan point (-1: none)
+
+    def plan(self) -> tuple:
+        """What the schedule was configured with: (total steps, warmup steps, decay type, min factor)."""
+        return self.total_steps, self.warmup_steps, self.decay_type, self.min_factor
+
+    def __call__(self, step: int) -> float:
+        if self.from_step < 0 or step < max(self.from_step, self.warmup_steps):
+            return lr_factor(step, *self.plan())
+        if self.decay_type == "constant":
+            return self.from_factor
+        progress = min(1.0, (step - self.from_step) / max(1, self.total_steps - self.from_step))
+        shape = 1.0 - progress if self.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_factor + (self.from_factor - self.min_factor) * shape
+
+    def replan(self, step: int, total_steps: int, warmup_steps: int, decay_type: str, min_factor: float) -> None:
+        """Go on from `step` with another plan, starting from the factor this one has at `step`."""
+        factor = self(step)
+        self.total_steps, self.warmup_steps, self.decay_type, self.min_factor = (
+            total_steps,
+            warmup_steps,
+            decay_type,
+            min_factor,
+        )
+        self.from_step, self.from_factor = step, factor
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, sched_cfg, total_steps: int) -> LambdaLR:
-    """A LambdaLR that follows lr_factor; its state_dict is the step count."""
-    return LambdaLR(
-        optimizer,
-        lambda s: lr_factor(s, total_steps, sched_cfg.warmup_steps, sched_cfg.decay_type, sched_cfg.min_lr_factor),
-    )
+    """A LambdaLR that follows an LRSchedule; its state is the step count and the schedule's plan."""
+    schedule = LRSchedule(total_steps, sched_cfg.warmup_steps, sched_cfg.decay_type, sched_cfg.min_lr_factor)
+    return LambdaLR(optimizer, schedule)
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:

@@ -7,19 +7,25 @@ model shape, data, activation checkpointing, compile); the Trainer, the launcher
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from titanlite.checkpoint.catalog import preflight
 from titanlite.checkpoint.hf_io import check_hf_weights
+from titanlite.checkpoint.resume import check_resume
 from titanlite.config import JobConfig
 from titanlite.data.build import check_data
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import hf_folder
 from titanlite.models.llama_args import LlamaArgs
-from titanlite.models.registry import model_args
+from titanlite.models.registry import model_args, model_class
 from titanlite.parallel_dims import ParallelDims
 from titanlite.parallelize import compile_problem
+from titanlite.run_control import check_lock_free
 
 
 def accumulation_steps(cfg: JobConfig, dp_degree: int) -> int:
@@ -48,6 +54,13 @@ def resolve(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"{dims.dp_shard}; valid: default, always, never or a divisor of {dims.dp_shard}"
         )
     return dims
+
+
+def model_shapes(cfg: JobConfig, args: LlamaArgs) -> dict[str, tuple]:
+    """The model's state-dict shapes, from a model on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = model_class(cfg.model.name)(args)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 @dataclass
@@ -84,4 +97,8 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     if problem:
         raise ConfigError(problem)
     check_data(cfg, tokenizer)
+    if device_type is not None:
+        if int(os.environ.get("RANK", "0")) == 0:  # rank 0 holds the lock; peers would see their own job's
+            check_lock_free(Path(cfg.job.dump_folder))  # another job on the same dump folder
+        check_resume(cfg, args, model_shapes(cfg, args))
     return RunPlan(dims=dims, grad_accum=accumulation_steps(cfg, dims.dp_degree), tokenizer=tokenizer, model_args=args)

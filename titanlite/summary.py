@@ -17,6 +17,32 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
+def degenerate_run_warnings(cfg, device_type: str, dataloader) -> list[str]:
+    """Warnings for settings that train, but not as meant: too little data, endless warmup, fp16 on a CPU."""
+    out, t = [], cfg.training
+    batch_tokens = t.global_batch_size * (t.seq_len + 1)
+    epoch_tokens = getattr(getattr(dataloader, "loader", dataloader), "tokens_per_epoch", lambda: None)()
+    if epoch_tokens is not None and epoch_tokens < batch_tokens:
+        out.append(
+            f"training.dataset holds {epoch_tokens:,} tokens, fewer than one global batch "
+            f"(training.global_batch_size {t.global_batch_size} x (training.seq_len {t.seq_len} + 1) = "
+            f"{batch_tokens:,}): every step trains on the same tokens again and the loss will fall towards 0 "
+            f"without learning anything general; use more data, or a smaller batch or seq_len"
+        )
+    if cfg.lr_scheduler.warmup_steps >= t.steps:
+        out.append(
+            f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} >= training.steps = {t.steps}: the "
+            f"lr never reaches optimizer.lr = {cfg.optimizer.lr} (it ends at "
+            f"{t.steps / (cfg.lr_scheduler.warmup_steps + 1):.0%} of it); use fewer warmup steps"
+        )
+    if device_type == "cpu" and t.mixed_precision_param == "float16":
+        out.append(
+            "training.mixed_precision_param = 'float16' on a CPU: CPUs have no fast float16 matmuls, so this "
+            "is about 10x slower than float32; use float32 on CPUs (bfloat16 or float16 on GPUs)"
+        )
+    return out
+
+
 def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
     """Log lines describing the world, the model's size in total and on this rank, and this rank's state memory."""
     counts = param_counts(model_args)

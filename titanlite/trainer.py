@@ -28,7 +28,8 @@ from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallelize import describe, describe_ac_compile, gradient_sync_plan, microbatch_sync
 from titanlite.plan import validate_for_world
 from titanlite.profiling import Profiler
-from titanlite.summary import startup_lines
+from titanlite.run_control import guard_run, write_exit_status
+from titanlite.summary import degenerate_run_warnings, startup_lines
 from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
@@ -56,6 +57,8 @@ class Trainer:
         self.model_args = plan.model_args
 
         self.env = init_distributed()
+        # One job per dump folder; a worker whose launcher died exits instead of training on.
+        self.lock, self.watchdog = guard_run(cfg.job.dump_folder, self.env.rank, self.env.world_size)
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.device = self.env.device
         self.mesh = self.dims.build_mesh(self.device.type)
@@ -66,6 +69,9 @@ class Trainer:
         if cfg.validation.enable:
             self.validator = Validator(cfg, build_loader(cfg, self.tokenizer, "validation", **loader_args))
         self.tokens_by_source = [0] * len(self.dataloader.names)
+        if self.env.rank == 0:
+            for warning in degenerate_run_warnings(cfg, self.device.type, self.dataloader):
+                logger.warning(warning)
 
         built = build_model(cfg, self.model_args, self.mesh)
         self.model, self.num_sharded = built.model, built.num_sharded
@@ -194,7 +200,12 @@ class Trainer:
             self.check_finite()
             if cfg.checkpoint.last_save_in_hf and self.step == cfg.training.steps and not self.checkpointer.preempted:
                 self.save_hf()
+            if self.env.rank == 0:
+                write_exit_status("stopped" if self.checkpointer.preempted else "finished", self.step)
         finally:
+            self.watchdog.stop()
+            if self.lock is not None:
+                self.lock.release()
             self.checkpointer.close()  # waits for an async save and restores the signal handlers
             self.metrics.close()
             if hasattr(self.dataloader, "close"):

@@ -104,8 +104,12 @@ def require_step(folder: Path, step: int, wanted: set[str]) -> CheckpointInfo:
     return info
 
 
-def newest_usable(folder: Path, wanted: set[str]) -> CheckpointInfo | None:
-    """The newest complete checkpoint holding the wanted parts; others are skipped with a warning."""
+def candidates(folder: Path, load_step: int, wanted: set[str]) -> list[CheckpointInfo]:
+    """The checkpoints a resume may use, best first: load_step's only, or every complete one holding the
+    wanted parts, newest first (the others are skipped with a warning)."""
+    if load_step >= 0:
+        return [require_step(folder, load_step, wanted)]
+    out = []
     for step, path in sorted(step_folders(folder).items(), reverse=True):
         try:
             info = read_info(path, step)
@@ -113,9 +117,17 @@ def newest_usable(folder: Path, wanted: set[str]) -> CheckpointInfo | None:
             logger.warning(f"Skipping checkpoint {path}: {e}")
             continue
         if wanted <= info.parts:
-            return info
-        logger.info(f"Skipping checkpoint {path} for resuming: it holds only {sorted(info.parts)} (model-only save)")
-    return None
+            out.append(info)
+        else:
+            logger.info(
+                f"Skipping checkpoint {path} for resuming: it holds only {sorted(info.parts)} (model-only save)"
+            )
+    return out
+
+
+def newest_usable(folder: Path, wanted: set[str]) -> CheckpointInfo | None:
+    """The newest complete checkpoint holding the wanted parts; others are skipped with a warning."""
+    return next(iter(candidates(folder, -1, wanted)), None)
 
 
 def wanted_parts(cfg: JobConfig) -> set[str]:

@@ -35,7 +35,7 @@ def check_model_fits(model_sd: dict, saved: dict[str, tuple | None], source: str
     """ConfigError naming the first key whose saved shape differs from the model's (or is missing)."""
     hint = "; was it saved with another model.flavor, model.vocab_size or model.tie_embeddings?"
     for name, value in model_sd.items():
-        model_shape = tuple(value.shape)
+        model_shape = tuple(getattr(value, "shape", value))  # a tensor, or a shape
         if name not in saved:
             raise ConfigError(
                 f"{source} does not fit the model: '{name}' (shape {model_shape} in the model) is "

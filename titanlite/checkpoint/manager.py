@@ -1,23 +1,23 @@
 """CheckpointManager: sharded saves over torch.distributed.checkpoint (DCP), resume at any topology,
-preemption signals, async saves and retention.
+stop signals, async saves, checksums, failed saves and retention.
 
 `<job.dump_folder>/<checkpoint.folder>/step-N` is one DCP checkpoint with a top-level key per part
 (titanlite.checkpoint.parts); a model-only save (`last_save_model_only`) holds just "model". Every rank
 writes its own shards and nobody gathers the full model. A save is written to `.tmp-step-N` and renamed
-to `step-N` by rank 0 when its DCP save returns: DCP writes `.metadata` only after it has collected
-every rank's write results, so a folder named `step-N` is always complete. Rank 0 adds the run's
-config (`job_config.toml`) and the model's shape (`model_args.json`), so that a checkpoint can be
-exported or inspected without the job's TOML.
+to `step-N` by rank 0 when every rank has finished: DCP writes `.metadata` only after it has collected
+every rank's write results, then each rank records its files' checksums and rank 0 adds the run's
+config (`job_config.toml`), the model's shape (`model_args.json`) and `manifest.json`. So a folder named
+`step-N` is always complete, and a resume can check it and say what changed since.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import os
 import shutil
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -25,155 +25,161 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titanlite.checkpoint.catalog import (
     STEP_PREFIX,
     TMP_PREFIX,
     CheckpointInfo,
+    candidates,
     checkpoint_folder,
     complete_checkpoints,
-    newest_usable,
+    describe_steps,
     read_metadata,
-    require_step,
     wanted_parts,
 )
-from titanlite.checkpoint.consolidated import check_model_fits, load_consolidated, model_prefix, saved_shapes
-from titanlite.checkpoint.hf_io import load_hf_weights
+from titanlite.checkpoint.consolidated import check_model_fits, saved_shapes
+from titanlite.checkpoint.initial import load_initial_weights
+from titanlite.checkpoint.integrity import seal, write_rank_manifest
 from titanlite.checkpoint.parts import ModelPart, OptimizerPart, SchedulerPart, TrainStatePart
+from titanlite.checkpoint.resume import (
+    check_model_matches,
+    describe_changes,
+    problems_everywhere,
+    saved_job_config,
+)
 from titanlite.config import CHECKPOINT_PARTS, JobConfig, to_toml
 from titanlite.dtypes import TORCH_DTYPES
-from titanlite.errors import ConfigError
-from titanlite.models.hf_config import is_hf_folder
+from titanlite.errors import CheckpointSaveError, ConfigError
 from titanlite.models.llama_args import args_to_dict
+from titanlite.optim import optimizer_hyperparameters
+from titanlite.run_control import StopSignals
 
 logger = logging.getLogger("titanlite")
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+RUN_FILES = ("job_config.toml", "model_args.json")
 
 
 class CheckpointManager:
     """Saves and restores the model, optimizer, LR schedule, data position and train state.
 
     `train_state` is any object with int attributes `step` and `tokens_seen` (the Trainer). When
-    checkpointing is enabled, after `load()` SIGTERM and SIGUSR1 request a save-and-stop at the end of
-    the step (`maybe_save` returns True); `close()` restores the previous handlers.
+    checkpointing is enabled, after `load()` the stop signals (run_control.StopSignals) request a
+    save-and-stop at the end of the step (`maybe_save` returns True); `close()` restores the handlers.
     """
 
     def __init__(
         self, cfg: JobConfig, *, model, optimizer, lr_scheduler, dataloader, train_state, device: torch.device
     ):
-        self.cfg = cfg.checkpoint
+        self.job_cfg, self.cfg = cfg, cfg.checkpoint
         self.job_config_text = to_toml(cfg)
         self.enabled = cfg.checkpoint.enable
         self.folder = checkpoint_folder(cfg)
         self.wanted = wanted_parts(cfg)
-        self.model = model
+        self.model, self.dataloader = model, dataloader
         self.parts = {
             "model": ModelPart(model),
-            "optimizer": OptimizerPart(model, optimizer),
-            "lr_scheduler": SchedulerPart(lr_scheduler, optimizer),
+            "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer)),
+            "lr_scheduler": SchedulerPart(lr_scheduler, optimizer, cfg.optimizer.lr),
             "dataloader": dataloader,
             "train_state": TrainStatePart(train_state, device),
         }
         assert tuple(self.parts) == CHECKPOINT_PARTS
-        self.rank = dist.get_rank()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.preempted = False
-        self._stop_requested = False
+        self.signals = StopSignals()
         self._pending: tuple[int, object, float] | None = None  # (step, future, start time) of an async save
         # The async writer runs collectives from a background thread: give it its own (gloo, CPU) group so
         # they never interleave with the training collectives on the default group.
         self._async_pg = dist.new_group(backend="gloo") if self.enabled and self.cfg.async_mode == "async" else None
-        self._old_handlers = {}
-
-    def _install_signal_handlers(self) -> None:
-        if self.enabled and not self._old_handlers and threading.current_thread() is threading.main_thread():
-            for sig in PREEMPTION_SIGNALS:
-                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        if not self._stop_requested:
-            logger.warning(f"Received {signal.Signals(signum).name}: saving at the end of this step, then exiting")
-        self._stop_requested = True
 
     # ------------------------------------------------------------------ loading
 
     def load(self) -> bool:
-        """Resume from checkpoint.load_step or the newest usable checkpoint; else start from
+        """Resume from checkpoint.load_step or the newest complete, intact checkpoint; else start from
         checkpoint.initial_load_path if set. True when a checkpoint was resumed."""
-        box: list = [None, None]  # rank 0 decides for everyone: (CheckpointInfo | None, error message)
-        if self.rank == 0 and self.enabled:
-            try:
-                self._remove_temporaries()
-                if self.cfg.load_step >= 0:
-                    box[0] = require_step(self.folder, self.cfg.load_step, self.wanted)
-                else:
-                    box[0] = newest_usable(self.folder, self.wanted)
-            except ConfigError as e:
-                box[1] = str(e)
-        dist.broadcast_object_list(box, src=0)
-        info, error = box
-        if error:
-            raise ConfigError(error)
+        info = self._choose() if self.enabled else None
         if info is not None:
             self._restore(info)
         elif self.cfg.initial_load_path:
-            self._load_initial(Path(self.cfg.initial_load_path))
-        # From here on a preemption signal is honoured at the end of a step (before: default action).
-        self._install_signal_handlers()
+            load_initial_weights(self.model, Path(self.cfg.initial_load_path))
+        if self.enabled:  # from here on a stop signal is honoured at the end of a step (with a save)
+            self.signals.install()
         return info is not None
+
+    def _choose(self) -> CheckpointInfo | None:
+        box: list = [[], None]  # rank 0 lists the candidates for everyone: (infos, error message)
+        if self.rank == 0:
+            try:
+                self._remove_temporaries()
+                box[0] = candidates(self.folder, self.cfg.load_step, self.wanted)
+            except ConfigError as e:
+                box[1] = str(e)
+        dist.broadcast_object_list(box, src=0)
+        if box[1]:
+            raise ConfigError(box[1])
+        for info in box[0]:
+            problems = problems_everywhere(info.path)
+            if not problems:
+                return info
+            what = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+            if self.cfg.load_step >= 0:
+                raise ConfigError(
+                    f"checkpoint.load_step = {self.cfg.load_step}: {info.path} is corrupt: {what}; "
+                    f"complete checkpoints there: {describe_steps(self.folder)}"
+                )
+            if self.rank == 0:
+                logger.warning(
+                    f"Skipping corrupt checkpoint {info.path}: {what}; trying the one before (nothing is deleted)"
+                )
+        return None
 
     def _restore(self, info: CheckpointInfo) -> None:
         t0 = time.perf_counter()
         if "model" in self.wanted:
+            check_model_matches(info.path, self.model.args)
             check_model_fits(
                 get_model_state_dict(self.model), saved_shapes(read_metadata(info.path), "model."), str(info.path)
             )
         # DCP calls each part's state_dict() for the destination and load_state_dict() afterwards.
-        dcp.load({name: part for name, part in self.parts.items() if name in self.wanted}, checkpoint_id=info.path)
+        try:
+            dcp.load({n: part for n, part in self.parts.items() if n in self.wanted}, checkpoint_id=info.path)
+        except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+            raise ConfigError(
+                f"{info.path} could not be loaded into this run ({type(e).__name__}: "
+                f"{str(e).strip()[:400]}); is it from another model or run?"
+            ) from e
         skipped = sorted(set(CHECKPOINT_PARTS) - self.wanted)
         note = f", not {skipped} (checkpoint.exclude_from_loading)" if skipped else ""
         logger.info(
             f"Resuming from {info.path} (step {info.step}): restored {sorted(self.wanted)}{note} "
             f"in {time.perf_counter() - t0:.2f} s"
         )
+        self._report_changes(info)
 
-    def _load_initial(self, path: Path) -> None:
-        """Model weights only, from a HF folder, a DCP folder (step-N or plain model keys) or a consolidated file."""
-        if is_hf_folder(path):
-            t0 = time.perf_counter()
-            load_hf_weights(self.model, path)
-            logger.info(
-                f"Loaded initial model weights from the HuggingFace folder {path} in "
-                f"{time.perf_counter() - t0:.1f} s (checkpoint.initial_load_path)"
-            )
+    def _report_changes(self, info: CheckpointInfo) -> None:
+        saved = saved_job_config(info.path)
+        if saved is None:
             return
-        model_sd = get_model_state_dict(self.model)
-        if path.is_dir():
-            try:
-                metadata = read_metadata(path)
-            except ValueError as e:
-                raise ConfigError(
-                    f"checkpoint.initial_load_path = {str(path)!r} is not a readable DCP checkpoint: {e}"
-                ) from None
-            prefix = model_prefix(metadata)
-            check_model_fits(model_sd, saved_shapes(metadata, prefix), str(path))
-            dcp.load({"model": model_sd} if prefix else model_sd, checkpoint_id=path)
-            set_model_state_dict(self.model, model_sd)
-        else:
-            full = load_consolidated(path)
-            check_model_fits(model_sd, {k: tuple(v.shape) for k, v in full.items()}, str(path))
-            # Every rank maps the file and keeps its own shard of each tensor.
-            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
-        logger.info(f"Loaded initial model weights from {path} (checkpoint.initial_load_path)")
+        position = self.dataloader.state_dict().get("sequence_index", 0)
+        old_len, new_len = saved.training.seq_len, self.job_cfg.training.seq_len
+        if "dataloader" in self.wanted and old_len != new_len:  # keep the position in tokens, not sequences
+            self.dataloader.load_state_dict({"sequence_index": math.ceil(position * (old_len + 1) / (new_len + 1))})
+        scheduler = self.parts["lr_scheduler"]
+        lr = scheduler.lr_scheduler.get_last_lr()[0]
+        lines = describe_changes(saved, self.job_cfg, info.step, position, scheduler.replanned, lr)
+        if lines and self.rank == 0:
+            logger.warning(
+                f"This run's config differs from that of {info.path}; the config wins:\n  " + "\n  ".join(lines)
+            )
 
     # ------------------------------------------------------------------ saving
 
     def maybe_save(self, step: int, last: bool, before_save=None) -> bool:
-        """Call at the end of every optimizer step: saves when due (interval, last step, preemption).
+        """Call at the end of every optimizer step: saves when due (interval, last step, stop signal).
 
         `before_save` runs first when a save is due (the Trainer's non-finite check: never save NaNs).
-        True means a preemption signal reached some rank: every rank saved this step and should stop.
+        True means a stop signal reached some rank: every rank saved this step and should stop.
         """
         if not self.enabled:
             return False
@@ -186,27 +192,40 @@ class CheckpointManager:
         if stop:
             self.preempted = True
             logger.warning(
-                f"Preempted: checkpoint of step {step} saved; exiting with status 0 so the job can "
-                "be requeued (the next launch resumes from it)"
+                f"Stopped: checkpoint of step {step} saved; exiting with status 0 so the job can be "
+                "requeued (the next launch resumes from it)"
             )
         return stop
 
     def save(self, step: int, model_only: bool = False) -> None:
-        """Write step-N (model-only in checkpoint.export_dtype if asked); async mode returns after staging."""
+        """Write step-N (model-only in checkpoint.export_dtype if asked); async mode returns after staging.
+
+        A failed save (disk full, I/O error) removes its partial folder and then, by checkpoint.on_save_error,
+        raises CheckpointSaveError on every rank or is logged and skipped.
+        """
         self._wait_pending()  # one save at a time: the previous one is committed first
         if model_only:
             state = {"model": ModelPart(self.model, TORCH_DTYPES[self.cfg.export_dtype]).state_dict()}
         else:
             state = {name: part.state_dict() for name, part in self.parts.items()}
-        writer = FileSystemWriter(self.folder / f"{TMP_PREFIX}{step}")
+        tmp = self.folder / f"{TMP_PREFIX}{step}"
+        writer = FileSystemWriter(tmp)
         t0 = time.perf_counter()
         if self._async_pg is None:
-            dcp.save(state, storage_writer=writer)
+            error = None
+            try:
+                dcp.save(state, storage_writer=writer)
+                write_rank_manifest(tmp, self.rank)
+            except (Exception, dcp.api.CheckpointException) as e:
+                error = e
+            if not self._all_ok(error is None):  # also waits for every rank's manifest
+                return self._failed(step, error)
             self._commit(step, t0)
         else:
-            # FileSystemWriter stages synchronously (a CPU copy of every tensor) before async_save
-            # returns, so the optimizer may change the live state at once; the write goes on in a thread.
+            # FileSystemWriter stages synchronously (a CPU copy of every tensor) before async_save returns, so the
+            # optimizer may change the live state at once; the write (and this rank's checksums) go on in a thread.
             future = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg)
+            future.add_done_callback(lambda f: f.exception() is None and write_rank_manifest(tmp, self.rank))
             self._pending = (step, future, t0)
             logger.info(
                 f"Checkpoint of step {step}: staged in {time.perf_counter() - t0:.2f} s, writing in the background"
@@ -215,38 +234,85 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish a pending async save and restore the signal handlers."""
         self._wait_pending()
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers = {}
+        self.signals.restore()
         if self._async_pg is not None:
             dist.destroy_process_group(self._async_pg)
             self._async_pg = None
 
     def _agree_on_stop(self) -> bool:
+        return not self._all_ok(not self.signals.requested)
+
+    @staticmethod
+    def _all_ok(ok: bool) -> bool:
+        """Whether `ok` holds on every rank (a collective)."""
         # A CPU tensor: on GPU jobs it goes over the gloo half of "cpu:gloo,cuda:nccl", no device sync.
-        flag = torch.tensor([int(self._stop_requested)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def _commit_if_done(self) -> None:
-        if self._pending is not None and self._pending[1].done():
+        # Collective, so that every rank commits (or handles a failure) at the same step.
+        if self._pending is not None and self._all_ok(self._pending[1].done()):
             self._wait_pending()
 
     def _wait_pending(self) -> None:
         if self._pending is not None:
             step, future, t0 = self._pending
             self._pending = None
-            future.result()  # re-raises a failed write
+            error = None
+            try:
+                future.result()
+            except (Exception, dcp.api.CheckpointException) as e:
+                error = e
+            if not self._all_ok(error is None):
+                return self._failed(step, error)
             self._commit(step, t0)
 
+    def _failed(self, step: int, error: BaseException | None) -> None:
+        """Remove the partial save; then stop (CheckpointSaveError) or go on, by checkpoint.on_save_error.
+
+        Called on every rank together; error is None on a rank whose own part succeeded.
+        """
+        tmp = self.folder / f"{TMP_PREFIX}{step}"
+        flags = [_is_disk_full(error) if error is not None else False, _first_line(error) if error else ""]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, flags)  # the cause as the ranks that failed saw it
+        disk_full = any(f[0] for f in everyone)
+        first = next((f[1] for f in everyone if f[1]), "")
+        needed = _bytes_in(tmp)
+        dist.barrier()  # everyone measured before rank 0 removes it
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        complete = complete_checkpoints(self.folder)
+        previous = complete[-1] if complete else None
+        if previous is not None:
+            needed = max(needed, _bytes_in(previous.path))
+        free = shutil.disk_usage(self.folder).free if self.folder.exists() else 0
+        cause = "no space left on device" if disk_full else first or "a write failed"
+        intact = (
+            f"{previous.path.name} is intact and is where a relaunch resumes"
+            if previous
+            else "there is no earlier complete checkpoint"
+        )
+        message = (
+            f"checkpoint of step {step} could not be written to {self.folder} ({cause}); a checkpoint takes "
+            f"about {needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; the partial {tmp.name} was "
+            f"removed; {intact}"
+        )
+        if self.cfg.on_save_error == "continue":
+            logger.error(f"{message}; training goes on without it (checkpoint.on_save_error = 'continue')")
+            return None
+        raise CheckpointSaveError(f"{message}; stopping (checkpoint.on_save_error = 'stop'; 'continue' trains on)")
+
     def _commit(self, step: int, t0: float) -> None:
-        """Rank 0 renames .tmp-step-N to step-N (every rank has finished: DCP wrote the metadata)."""
+        """Rank 0 seals .tmp-step-N (run files, checksums) and renames it to step-N."""
         if self.rank != 0:
             return
         tmp, final = self.folder / f"{TMP_PREFIX}{step}", self.folder / f"{STEP_PREFIX}{step}"
         (tmp / "job_config.toml").write_text(self.job_config_text)
         if hasattr(self.model, "args"):
             (tmp / "model_args.json").write_text(json.dumps(args_to_dict(self.model.args), indent=2) + "\n")
+        seal(tmp, self.world, [".metadata", *RUN_FILES])
         if final.exists():  # an earlier save of the same step (a rerun from an older checkpoint)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -255,14 +321,14 @@ class CheckpointManager:
         self._purge()
 
     def _purge(self) -> None:
-        """Keep the newest keep_latest_k complete checkpoints, and always the newest full one."""
+        """Keep the newest keep_latest_k complete checkpoints, the newest full one and the one load_step names."""
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
         complete = complete_checkpoints(self.folder)  # unreadable or partial folders are never counted or removed
         if len(complete) <= k:
             return
-        keep = {i.step for i in complete[-k:]}
+        keep = {i.step for i in complete[-k:]} | {self.cfg.load_step}  # a requeue may be told to load it again
         full = [i.step for i in complete if set(CHECKPOINT_PARTS) <= i.parts]
         if full:  # the newest checkpoint a resume can use survives model-only saves
             keep.add(full[-1])
@@ -272,13 +338,47 @@ class CheckpointManager:
                 logger.info(f"Removed old checkpoint {info.path} (checkpoint.keep_latest_k = {k})")
 
     def _remove_temporaries(self) -> None:
-        """Delete saves that never completed (a crash or kill during a save); rank 0, before any save."""
+        """Delete saves that never completed (a crash, a kill or a full disk during a save); rank 0, at start."""
         if not self.folder.is_dir():
             return
         for p in self.folder.iterdir():
             if p.name.startswith(TMP_PREFIX):
                 logger.warning(f"Removing incomplete checkpoint {p} (a save that did not finish)")
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> WrappedException(exc, ...)
+        todo += [
+            getattr(e, "__cause__", None),
+            getattr(e, "__context__", None),
+            getattr(e, "exc", None),
+            *(failures.values() if isinstance(failures, dict) else ()),
+        ]
+    return "No space left on device" in str(error) or "unexpected pos" in str(error)
+
+
+def _bytes_in(folder: Path) -> int:
+    total = 0
+    for p in folder.rglob("*") if folder.is_dir() else ():
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else ""
 
 
 def _fsync_dir(path: Path) -> None:

@@ -35,30 +35,54 @@ class ModelPart(Stateful):
 
 
 class OptimizerPart(Stateful):
-    """The optimizer state keyed by parameter names (so it reshards with the model)."""
+    """The optimizer state keyed by parameter names (so it reshards with the model).
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    `hyper` (betas, eps, weight decay of the run's config) replaces the saved values on load: the
+    config wins over the checkpoint for hyperparameters; the moments are the checkpoint's.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper: dict | None = None):
+        self.model, self.optimizer, self.hyper = model, optimizer, hyper or {}
 
     def state_dict(self) -> dict:
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        lrs = [group["lr"] for group in self.optimizer.param_groups]  # the schedule's (SchedulerPart), not saved ones
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group.update(self.hyper, lr=lr)
 
 
 class SchedulerPart(Stateful):
-    """The LR schedule's position; on load the optimizer's lr follows it (also when no optimizer state is loaded)."""
+    """The LR schedule's position and plan.
 
-    def __init__(self, lr_scheduler, optimizer: torch.optim.Optimizer):
-        self.lr_scheduler, self.optimizer = lr_scheduler, optimizer
+    On load the config wins: the peak lr is the run's optimizer.lr, and when the run's training.steps or
+    [lr_scheduler] differ from the checkpoint's, the schedule is re-planned from the loaded step so that
+    the lr goes on from where it was (titanlite.optim.LRSchedule). `replanned` then holds (old plan,
+    new plan, step). The optimizer's lr follows, also when no optimizer state is loaded.
+    """
+
+    def __init__(self, lr_scheduler, optimizer: torch.optim.Optimizer, peak_lr: float | None = None):
+        self.lr_scheduler, self.optimizer, self.peak_lr = lr_scheduler, optimizer, peak_lr
+        self.replanned = None
 
     def state_dict(self) -> dict:
         return self.lr_scheduler.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        schedule = self.lr_scheduler.lr_lambdas[0]
+        wanted = schedule.plan() if hasattr(schedule, "plan") else None
         self.lr_scheduler.load_state_dict(state_dict)
-        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+        step = self.lr_scheduler.last_epoch
+        if wanted is not None and schedule.plan() != wanted:
+            self.replanned = (schedule.plan(), wanted, step)
+            schedule.replan(step, *wanted)
+        if self.peak_lr is not None:
+            self.lr_scheduler.base_lrs = [self.peak_lr] * len(self.optimizer.param_groups)
+        lrs = [base * fn(step) for base, fn in zip(self.lr_scheduler.base_lrs, self.lr_scheduler.lr_lambdas)]
+        self.lr_scheduler._last_lr = lrs
+        for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
 
 

@@ -18,7 +18,7 @@ from titanlite.checkpoint.catalog import checkpoint_folder
 from titanlite.config import load
 from titanlite.data.chat import load_template
 from titanlite.data.tokenizers import build_tokenizer
-from titanlite.distributed import init_distributed, pick_device, shutdown, world_size_from_env
+from titanlite.distributed import exit_process, init_distributed, pick_device, shutdown, world_size_from_env
 from titanlite.errors import ConfigError
 from titanlite.generation import generate, inference_model, load_weights, resolve_checkpoint
 from titanlite.metrics import setup_logging
@@ -119,6 +119,11 @@ def run(argv: list[str]) -> str:
     dt = time.perf_counter() - t0
     logger.info(f"Generated {len(new)} tokens in {dt:.1f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s, no KV cache)")
     return tokenizer.decode(new)
+
+
+def entry() -> None:
+    """`python -m titanlite.generate`: main(), then the exit (see distributed.exit_process)."""
+    exit_process(main())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,12 +6,17 @@ import logging
 import sys
 
 from titanlite.config import load, to_toml
-from titanlite.distributed import shutdown
-from titanlite.errors import ConfigError, NonFiniteLossError
+from titanlite.distributed import exit_process, shutdown
+from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError
 from titanlite.metrics import setup_logging
 from titanlite.trainer import Trainer
 
 logger = logging.getLogger("titanlite")
+
+
+def entry() -> None:
+    """`python -m titanlite.train` and `titanlite-train`: main(), then the exit (see distributed.exit_process)."""
+    exit_process(main())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job.print_config and trainer.env.rank == 0:
             print(to_toml(cfg))
         trainer.train()
-    except NonFiniteLossError as e:
+    except ConfigError as e:  # data that turns out bad mid-run (a malformed record, ...)
+        print(f"config error: {e}", file=sys.stderr)
+        shutdown()
+        return 2
+    except (NonFiniteLossError, CheckpointSaveError) as e:
         logger.error(str(e))
         shutdown()
         return 1

@@ -51,6 +51,9 @@ _FALSE = ("false", "0", "no", "off")
 
 def _coerce(key: str, value, typ, list_ok: bool = False):
     """Convert a TOML or command-line value to the field's type, or raise ConfigError naming the key."""
+    if type(None) in typing.get_args(typ):  # X | None: unset stays None
+        (inner,) = [a for a in typing.get_args(typ) if a is not type(None)]
+        return None if value is None else _coerce(key, value, inner, list_ok)
     origin = typing.get_origin(typ)
     if list_ok and isinstance(value, list) and all(isinstance(v, str) for v in value):
         value = ",".join(value)
@@ -145,7 +148,7 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, object]]:
         i += 1
         if not eq:
             fld = fields_of(SECTIONS[section]).get(key) if section in SECTIONS else None
-            is_bool = fld is not None and field_type(fld) is bool
+            is_bool = fld is not None and field_type(fld, unwrap_optional=True) is bool
             nxt = argv[i] if i < len(argv) else None
             if is_bool and (nxt is None or nxt.lower() not in _TRUE + _FALSE):
                 value = True  # bare flag
@@ -177,7 +180,7 @@ def validate(cfg: JobConfig) -> None:
 def read_toml(path: Path) -> dict:
     """The parsed TOML file; ConfigError naming the file when it is not valid TOML."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is not TOML
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"job.config_file = {str(path)!r} is not valid TOML: {e}") from None
 
@@ -217,6 +220,8 @@ def to_toml(cfg: JobConfig) -> str:
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
         for k, v in values.items():
+            if v is None:  # unset (TOML has no null): the key is left out
+                continue
             if isinstance(v, bool):
                 v = str(v).lower()
             elif isinstance(v, str):

@@ -18,7 +18,7 @@ def help_text() -> str:
     for section, cls in SECTIONS.items():
         out.append(f"[{section}]")
         for name, fld in fields_of(cls).items():
-            t = field_type(fld)
+            t = field_type(fld, unwrap_optional=True)
             tname = getattr(t, "__name__", str(t))
             default = getattr(getattr(defaults, section), name)
             out.append(f"  --{section}.{name} ({tname}, default {default!r})")
@@ -35,6 +35,7 @@ def markdown_reference() -> str:
         for name, fld in fields_of(cls).items():
             v = getattr(getattr(defaults, section), name)
             shown = str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
+            shown = "(unset)" if v is None else shown
             out.append(f"| `{name}` | `{shown}` | {fld.metadata.get('doc', '')} |")
         out.append("")
     return "\n".join(out)

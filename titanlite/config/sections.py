@@ -8,6 +8,7 @@ README reference and `loader.validate` all read that metadata. Checks that need 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -71,7 +72,11 @@ class Model:
         _non_negative,
         "0 or a number > 0",
     )
-    tie_embeddings: bool = _f(False, "share the input embedding and output projection weights")
+    tie_embeddings: bool | None = _f(
+        None,
+        "share the input embedding and output projection weights; unset = the flavor's (tied: 1B, 3B, hf per "
+        "config.json)",
+    )
     attention: str = _f(
         "causal",
         "causal: every token attends to all earlier tokens of its sequence; block_causal: only to earlier tokens "
@@ -243,6 +248,13 @@ class Checkpoint:
         lambda v: set(v) <= set(CHECKPOINT_PARTS),
         "a list of " + ", ".join(CHECKPOINT_PARTS),
     )
+    on_save_error: str = _f(
+        "stop",
+        "when a save fails (disk full, I/O error): stop (end the run with one message; the newest complete "
+        "checkpoint is where a relaunch resumes) or continue (log it and train on without that checkpoint)",
+        _one_of("stop", "continue"),
+        "stop or continue",
+    )
     async_mode: str = _f(
         "disabled",
         "disabled (a save blocks) or async (written in a background thread while training goes on)",
@@ -374,9 +386,12 @@ def fields_of(section_cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section_cls)}
 
 
-def field_type(fld: dataclasses.Field) -> type:
-    """The field's type as an object (annotations are strings under `from __future__ import annotations`)."""
+def field_type(fld: dataclasses.Field, unwrap_optional: bool = False):
+    """The field's type as an object (annotations are strings under `from __future__ import annotations`);
+    with unwrap_optional, X for `X | None`."""
     t = fld.type
     if isinstance(t, str):
         t = eval(t, {"list": list, "dict": dict, "str": str, "int": int, "float": float, "bool": bool})
+    if unwrap_optional and type(None) in typing.get_args(t):
+        (t,) = [a for a in typing.get_args(t) if a is not type(None)]
     return t

@@ -11,6 +11,7 @@ files (`dataset_info.json`, `state.json`, `dataset_dict.json`, hidden files) are
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -190,10 +191,8 @@ def _open(spec: DatasetSpec, streaming: bool):
                 )
         except ConfigError:
             raise
-        except Exception as e:  # malformed files: the message names the file
-            raise ConfigError(
-                f"{spec.key} = {spec.name!r}: cannot read it as {local.builder}: {type(e).__name__}: {e}"
-            ) from e
+        except Exception as e:  # malformed files: name the file and the record
+            raise ConfigError(f"{spec.key} = {spec.name!r}: {bad_record(local, e)}") from None
     else:
         if _looks_like_path(spec.name):
             raise ConfigError(f"{spec.key} = {spec.name!r}: no such file or directory; {VALID_DATASETS}")
@@ -209,6 +208,31 @@ def _open(spec: DatasetSpec, streaming: bool):
     size = "" if streaming else f", {len(ds):,} records"
     logger.info(f"Opened {spec.key} = {spec.name!r} ({what}{size}) in {time.perf_counter() - t0:.1f} s")
     return ds
+
+
+def bad_record(local: LocalData, error: BaseException) -> str:
+    """Which file and record of a local dataset cannot be read (found by reading each file plainly)."""
+    for f in local.files:
+        try:
+            if local.builder == "json" and f.endswith(".jsonl"):
+                with open(f, encoding="utf-8") as fh:
+                    for line_no, line in enumerate(fh, 1):
+                        if line.strip():
+                            try:
+                                json.loads(line)
+                            except ValueError as e:
+                                return f"line {line_no} of {f} is not a JSON record ({e})"
+            elif local.builder == "json":
+                json.loads(pathlib.Path(f).read_text(encoding="utf-8"))
+            elif local.builder == "text":
+                pathlib.Path(f).read_text(encoding="utf-8")
+            elif local.builder == "parquet":
+                import pyarrow.parquet as pq  # lazy: comes with datasets, only needed to find a bad file
+
+                pq.read_metadata(f)
+        except (OSError, ValueError) as e:
+            return f"{f} cannot be read as {local.builder} ({type(e).__name__}: {str(e)[:300]})"
+    return f"cannot read it as {local.builder}: {type(error).__name__}: {str(error)[:500]}"
 
 
 def open_stream(spec: DatasetSpec):
@@ -236,6 +260,18 @@ def text_field_key(spec: DatasetSpec) -> str:
         if spec.key.startswith("training")
         else "training.dataset_text_field"
     )
+
+
+def record_text(text, spec: DatasetSpec, index: int) -> str:
+    """A record's text field as a string (None reads as empty); ConfigError naming a record that holds other data."""
+    if text is None:
+        return ""
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"{text_field_key(spec)} = {spec.text_field!r} of record {index} of {spec.key} = "
+            f"{spec.name!r} holds {type(text).__name__}, not text"
+        )
+    return text
 
 
 def fingerprint(spec: DatasetSpec) -> str:

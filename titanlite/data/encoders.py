@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from titanlite.data.datasets_io import DatasetSpec, text_field_key
-from titanlite.errors import ConfigError
+from titanlite.data.datasets_io import DatasetSpec, record_text
 
 
 class TextEncoder:
@@ -16,19 +15,8 @@ class TextEncoder:
         self.identity = f"text:{spec.text_field}"  # part of a store's cache key
 
     def texts(self, records: dict, first_index: int) -> list[str]:
-        """The text field of a batch of records (None reads as empty); ConfigError naming a bad record."""
-        out = []
-        for i, text in enumerate(records[self.spec.text_field]):
-            if text is None:
-                text = ""
-            elif not isinstance(text, str):
-                raise ConfigError(
-                    f"{text_field_key(self.spec)} = {self.spec.text_field!r} of record "
-                    f"{first_index + i} of {self.spec.key} = {self.spec.name!r} holds "
-                    f"{type(text).__name__}, not text"
-                )
-            out.append(text)
-        return out
+        """The text field of a batch of records; ConfigError naming a record that holds other data."""
+        return [record_text(t, self.spec, first_index + i) for i, t in enumerate(records[self.spec.text_field])]
 
     def __call__(self, records: dict, first_index: int = 0) -> list[tuple[list[int], None]]:
         """(tokens, no mask) for each record of a batch (a dict of columns)."""

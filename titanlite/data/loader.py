@@ -99,6 +99,10 @@ class StoreDataLoader:
         local = sum(self.layouts[s].real_tokens(j) for s, j in mine)
         return Step(to_microbatches(windows, self.local_batch_size, self.pin_memory), valid, counts, local, real)
 
+    def tokens_per_epoch(self) -> int:
+        """Tokens in one pass over every source (padding excluded)."""
+        return sum(layout.store.num_tokens for layout in self.layouts)
+
     def sequences_per_epoch(self) -> int:
         """Whole windows in one pass over every source's documents."""
         return sum(layout.num_windows for layout in self.layouts)

@@ -8,7 +8,16 @@ import json
 import pathlib
 from collections.abc import Iterable, Iterator
 
-from titanlite.data.datasets_io import BUILTIN, DatasetSpec, open_stream, resolve_local, text_field_key
+from titanlite.data.datasets_io import (
+    BUILTIN,
+    DatasetSpec,
+    bad_record,
+    is_local,
+    open_stream,
+    record_text,
+    resolve_local,
+    text_field_key,
+)
 from titanlite.errors import ConfigError
 
 
@@ -59,10 +68,9 @@ def _texts(records: Iterable[dict], spec: DatasetSpec, first_index: int) -> Iter
     while True:
         try:
             record = next(records, None)
-        except Exception as e:  # malformed files only fail when they are read; datasets names the file
-            raise ConfigError(
-                f"{spec.key} = {spec.name!r}: cannot read record {index}: {type(e).__name__}: {str(e)[:500]}"
-            ) from e
+        except Exception as e:  # malformed files only fail when they are read: name the file and the record
+            where = bad_record(resolve_local(spec), e) if is_local(spec) else f"record {index}: {str(e)[:500]}"
+            raise ConfigError(f"{spec.key} = {spec.name!r}: {where}") from None
         if record is None:
             return
         if spec.text_field not in record:
@@ -70,13 +78,6 @@ def _texts(records: Iterable[dict], spec: DatasetSpec, first_index: int) -> Iter
                 f"{text_field_key(spec)} = {spec.text_field!r} is not a field of the records of "
                 f"{spec.key} = {spec.name!r}; fields: {sorted(record)}"
             )
-        text = record[spec.text_field]
-        if text is None:
-            text = ""
-        elif not isinstance(text, str):
-            raise ConfigError(
-                f"{text_field_key(spec)} = {spec.text_field!r} of record {index} of {spec.key} = "
-                f"{spec.name!r} holds {type(text).__name__}, not text"
-            )
+        text = record_text(record[spec.text_field], spec, index)
         index += 1
         yield text

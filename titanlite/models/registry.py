@@ -59,7 +59,9 @@ def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=Non
             diff = mismatches(
                 args.with_overrides(
                     vocab_size=model_cfg.vocab_size or args.vocab_size or tokenizer_vocab_size,
-                    tie_embeddings=model_cfg.tie_embeddings or args.tie_embeddings,
+                    tie_embeddings=args.tie_embeddings
+                    if model_cfg.tie_embeddings is None
+                    else model_cfg.tie_embeddings,
                 ),
                 hf,
             )
@@ -77,6 +79,6 @@ def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=Non
     return args.with_overrides(
         attention=model_cfg.attention,
         vocab_size=vocab,
-        tie_embeddings=model_cfg.tie_embeddings or args.tie_embeddings,
+        tie_embeddings=args.tie_embeddings if model_cfg.tie_embeddings is None else model_cfg.tie_embeddings,
         max_seq_len=max(args.max_seq_len, seq_len),
     )

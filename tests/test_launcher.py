@@ -1,0 +1,179 @@
+"""run_train.sh and torchrun on a shared cluster: bad launcher input, one job per dump folder, workers that
+outlive their launcher, and stop signals that save and exit 0 (gloo, CPU)."""
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from helpers import ROOT, subprocess_env, tiny_argv, torchrun_cmd
+
+
+def _launch(args, **env):
+    return subprocess.run(
+        ["./run_train.sh", *args], cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"NGPU": "0"}, "NGPU=0 is not valid"),
+        ({"NNODES": "0"}, "NNODES=0 is not valid"),
+        ({"NGPU": "abc"}, "NGPU=abc is not valid"),
+        ({"NGPU": "1.5"}, "NGPU=1.5 is not valid"),
+        ({"NGPU": "-1"}, "NGPU=-1 is not valid"),
+        ({"MAX_RESTARTS": "abc"}, "MAX_RESTARTS=abc is not valid"),
+        ({"NGPU": "2", "LOG_RANK": "5"}, "LOG_RANK=5 names no local rank: with NGPU=2 the local ranks are 0 to 1"),
+    ],
+)
+def test_bad_launcher_input_is_one_line_and_exit_2(env, needle):
+    r = _launch(["--training.steps", "1"], **{"NGPU": "2", **env})
+    assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr[-1000:])
+    assert "Traceback" not in r.stderr and "unbound variable" not in r.stderr and "torchrun" not in r.stderr
+
+
+def _wait_for(log, pattern, proc, seconds=240):
+    deadline = time.time() + seconds
+    while not re.search(pattern, log.read_text()):
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.slow
+def test_one_job_per_dump_folder_and_no_orphans(tmp_path):
+    argv = tiny_argv(
+        tmp_path / "job",
+        "--training.steps",
+        "100000",
+        "--training.local_batch_size",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "100000",
+    )
+    log = tmp_path / "a.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(
+            torchrun_cmd(*argv), cwd=ROOT, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        _wait_for(log, r"step:\s+3\s", first)
+        # a second job on the same dump folder is refused before it starts, naming the first
+        second = _launch([*argv, "--training.steps", "2"], NGPU="2")
+        assert second.returncode == 2 and "is in use by another titanlite job" in second.stderr, second.stderr
+        assert "pid" in second.stderr and "Traceback" not in second.stderr
+        workers = _children(first.pid)
+        assert len(workers) == 2
+        os.kill(first.pid, signal.SIGKILL)  # the launcher dies; its workers must not train on
+        first.wait()
+        t0 = time.time()
+        while any(_alive(w) for w in workers) and time.time() - t0 < 30:
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers), "workers outlived their launcher"
+        assert time.time() - t0 < 10
+    finally:
+        for w in _children(first.pid):
+            os.kill(w, signal.SIGKILL)
+        if first.poll() is None:
+            first.kill()
+    text = log.read_text()
+    assert "The launcher (pid" in text and "is gone: exiting now, without a checkpoint" in text
+    assert not list((tmp_path / "job" / "checkpoint").glob("step-*"))  # no checkpoint written on the way out
+    # the lock of the dead job is stale: the next job takes it over and runs
+    third = _launch([*argv, "--training.steps", "2"], NGPU="2", LOG_RANK="0")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "Taking over the lock of a titanlite job that is gone" in third.stdout + third.stderr
+    assert not (tmp_path / "job" / ".titanlite.lock").exists()  # released at the end
+
+
+def _run_until_step(tmp_path, name, step, extra=()):
+    argv = tiny_argv(
+        tmp_path / "job",
+        "--training.steps",
+        "100000",
+        "--training.local_batch_size",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "100000",
+        *extra,
+    )
+    log = tmp_path / f"{name}.log"
+    out = open(log, "w")
+    proc = subprocess.Popen(
+        ["./run_train.sh", *argv],
+        cwd=ROOT,
+        env=subprocess_env(NGPU="2", LOG_RANK="0,1"),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    _wait_for(log, rf"step:\s+{step}\s", proc)
+    return proc, log, out
+
+
+@pytest.mark.slow
+def test_ctrl_c_sigterm_to_torchrun_and_a_second_ctrl_c(tmp_path):
+    # Ctrl-C (SIGINT to the launcher): every worker saves at the end of its step; the launcher exits 0
+    proc, log, out = _run_until_step(tmp_path, "int", 3)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    out.close()
+    text = log.read_text()
+    saved = re.findall(r"Stopped: checkpoint of step (\d+) saved", text)
+    assert len(saved) == 2 and len(set(saved)) == 1 and "KeyboardInterrupt" not in text
+    # SIGTERM to torchrun itself (a scheduler): the workers save, torchrun exits 1, the launcher exits 0
+    proc, log, out = _run_until_step(tmp_path, "term", int(saved[0]) + 2)
+    torchrun = _children(proc.pid)[0]
+    os.kill(torchrun, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    out.close()
+    text = log.read_text()
+    assert "the workers saved a checkpoint and exited 0 after the stop signal" in text
+    resumed_from = int(saved[0])
+    saved = re.findall(r"Stopped: checkpoint of step (\d+) saved", text)
+    assert len(saved) == 2 and int(saved[0]) > resumed_from and f"(step {resumed_from})" in text
+    # a second Ctrl-C stops everything at once (the debug model: a step and a save take long enough to be caught)
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path / "debug"),
+        "--training.steps",
+        "100000",
+        "--validation.enable",
+        "false",
+        "--checkpoint.interval",
+        "100000",
+    ]
+    log = tmp_path / "twice.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ["./run_train.sh", *argv], cwd=ROOT, env=subprocess_env(NGPU="2"), stdout=out, stderr=subprocess.STDOUT
+        )
+        _wait_for(log, r"step:\s+10\s", proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        t0 = time.time()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130 and time.time() - t0 < 10, log.read_text()[-3000:]
+    assert "second Ctrl-C: stopping every process now" in log.read_text()
+    assert not [pid for pid in _children(proc.pid) if _alive(pid)]

@@ -1,0 +1,48 @@
+"""The weights a new run starts from (checkpoint.initial_load_path): a HuggingFace folder, a DCP folder
+(a step-N checkpoint or plain model keys) or a consolidated state-dict file; model only."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from titanlite.checkpoint.catalog import read_metadata
+from titanlite.checkpoint.consolidated import check_model_fits, load_consolidated, model_prefix, saved_shapes
+from titanlite.checkpoint.hf_io import load_hf_weights
+from titanlite.errors import ConfigError
+from titanlite.models.hf_config import is_hf_folder
+
+logger = logging.getLogger("titanlite")
+
+
+def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
+    """Fill the (sharded) model's weights from `path`; each rank reads or keeps only its shards."""
+    t0 = time.perf_counter()
+    if is_hf_folder(path):
+        load_hf_weights(model, path)
+    elif path.is_dir():
+        try:
+            metadata = read_metadata(path)
+        except ValueError as e:
+            raise ConfigError(
+                f"checkpoint.initial_load_path = {str(path)!r} is not a readable DCP checkpoint: {e}"
+            ) from None
+        model_sd = get_model_state_dict(model)
+        prefix = model_prefix(metadata)
+        check_model_fits(model_sd, saved_shapes(metadata, prefix), str(path))
+        dcp.load({"model": model_sd} if prefix else model_sd, checkpoint_id=path)
+        set_model_state_dict(model, model_sd)
+    else:
+        model_sd = get_model_state_dict(model)
+        full = load_consolidated(path)
+        check_model_fits(model_sd, {k: tuple(v.shape) for k, v in full.items()}, str(path))
+        # Every rank maps the file and keeps its own shard of each tensor.
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    logger.info(
+        f"Loaded initial model weights from {path} in {time.perf_counter() - t0:.1f} s (checkpoint.initial_load_path)"
+    )

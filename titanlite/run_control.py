@@ -1,0 +1,225 @@
+"""What keeps a long job safe on a shared cluster: one job per dump folder, no orphans, clean stops.
+
+- `DumpFolderLock`: `<job.dump_folder>/.titanlite.lock` (host, pid, run id, start time, a heartbeat)
+  taken by rank 0; a second job on the folder is refused, naming the first; a lock whose holder is
+  gone (dead pid on this host, or no heartbeat for `STALE_AFTER` seconds) is taken over with a warning.
+- `LauncherWatchdog`: a thread that notices when the process's parent (torchrun) is gone and ends
+  the process at once, without a checkpoint, instead of training on as an orphan.
+- `StopSignals`: SIGTERM, SIGUSR1, SIGHUP and SIGINT ask for a save at the end of the step and a clean
+  exit; a second Ctrl-C (SIGINT more than a second after the first) exits at once.
+- `write_exit_status`: tells run_train.sh that the workers stopped cleanly after a preemption save.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from titanlite.errors import ConfigError
+
+logger = logging.getLogger("titanlite")
+
+LOCK_NAME = ".titanlite.lock"
+STALE_AFTER = 600.0  # seconds without a heartbeat after which another host's lock is taken over
+HEARTBEAT_EVERY = 60.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+EXIT_STATUS_ENV = "TITANLITE_EXIT_STATUS_FILE"  # set by run_train.sh
+
+
+def _run_id() -> str:
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def read_lock(folder: Path) -> dict | None:
+    """The lock's holder ({host, pid, run_id, started}) and its age in seconds, or None."""
+    path = Path(folder) / LOCK_NAME
+    try:
+        holder = json.loads(path.read_text())
+        holder["age"] = time.time() - path.stat().st_mtime
+        return holder
+    except (OSError, ValueError):
+        return None
+
+
+def holder_alive(holder: dict) -> bool:
+    """Whether the job that wrote a lock may still be running."""
+    if holder.get("host") == socket.gethostname():
+        return holder.get("pid") == os.getpid() or _pid_alive(int(holder.get("pid", 0)))
+    return holder.get("age", 0.0) < STALE_AFTER
+
+
+def describe_holder(holder: dict) -> str:
+    """'host h, pid p, run r, started 2026-11-23 12:00:00' for messages."""
+    return (
+        f"host {holder.get('host')}, pid {holder.get('pid')}, run {holder.get('run_id') or '-'}, "
+        f"started {holder.get('started')}"
+    )
+
+
+def check_lock_free(folder: Path) -> None:
+    """ConfigError naming the job that holds the folder's lock, if one is alive (no lock is taken)."""
+    holder = read_lock(folder)
+    if holder and holder.get("pid") != os.getpid() and holder_alive(holder) and not _same_run(holder):
+        raise ConfigError(
+            f"job.dump_folder = {str(folder)!r} is in use by another titanlite job ({describe_holder(holder)}); "
+            f"wait for it to end, stop it, or choose another job.dump_folder"
+        )
+
+
+def _same_run(holder: dict) -> bool:
+    return bool(_run_id()) and holder.get("run_id") == _run_id()
+
+
+class DumpFolderLock:
+    """The lock of one job on its dump folder (take it on rank 0 only)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.held = False
+
+    def acquire(self) -> None:
+        """Take the lock; ConfigError when a live job holds it; a stale lock is taken over with a warning."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        holder = read_lock(self.folder)
+        if holder is not None:
+            if holder.get("pid") != os.getpid() and not _same_run(holder) and holder_alive(holder):
+                check_lock_free(self.folder)
+            if holder.get("pid") != os.getpid() and not _same_run(holder):
+                logger.warning(
+                    f"Taking over the lock of a titanlite job that is gone ({describe_holder(holder)}) in {self.folder}"
+                )
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run_id": _run_id(),
+            "started": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        tmp = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(me))
+        os.replace(tmp, self.path)
+        self.held = True
+
+    def heartbeat(self) -> None:
+        """Show that the holder is alive (the lock's modification time)."""
+        if self.held:
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        """Remove the lock if this process holds it."""
+        if self.held:
+            holder = read_lock(self.folder)
+            if holder and holder.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+class LauncherWatchdog:
+    """Ends this process when its launcher (the parent process) is gone; beats the lock's heartbeat."""
+
+    def __init__(self, lock: DumpFolderLock | None = None, period: float = 1.0):
+        self.parent, self.lock, self.period = os.getppid(), lock, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="titanlite-watchdog")
+
+    def start(self) -> LauncherWatchdog:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        last_beat = time.monotonic()
+        while not self._stop.wait(self.period):
+            if os.getppid() != self.parent:
+                logger.error(
+                    f"The launcher (pid {self.parent}) is gone: exiting now, without a checkpoint (the "
+                    f"newest complete one is where a relaunch resumes)"
+                )
+                logging.shutdown()
+                os._exit(1)
+            if self.lock is not None and time.monotonic() - last_beat > HEARTBEAT_EVERY:
+                self.lock.heartbeat()
+                last_beat = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class StopSignals:
+    """Turns stop signals into a request to save at the end of the step; a second Ctrl-C exits at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._first_sigint: float | None = None
+        self._old = {}
+
+    def install(self) -> None:
+        """Take over the stop signals (main thread only; a no-op elsewhere)."""
+        if not self._old and threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._old[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        now = time.monotonic()
+        if signum == signal.SIGINT and self._first_sigint is not None and now - self._first_sigint > 1.0:
+            logger.warning("Second Ctrl-C: exiting at once, without saving")
+            logging.shutdown()
+            os._exit(130)
+        if signum == signal.SIGINT and self._first_sigint is None:
+            self._first_sigint = now  # within a second: the same Ctrl-C seen twice (terminal and torchrun)
+        if not self.requested:
+            logger.warning(
+                f"Received {signal.Signals(signum).name}: saving at the end of this step, then exiting "
+                f"(Ctrl-C again to exit at once)"
+            )
+        self.requested = True
+
+
+def write_exit_status(status: str, step: int) -> None:
+    """Rank 0: record how the workers ended, for run_train.sh (when it asked, with TITANLITE_EXIT_STATUS_FILE)."""
+    path = os.environ.get(EXIT_STATUS_ENV)
+    if path:
+        Path(path).write_text(json.dumps({"status": status, "step": step, "time": time.time()}))
+
+
+def guard_run(dump_folder: str, rank: int, world: int):
+    """Take the dump folder's lock (rank 0; every rank raises the ConfigError when another job holds it) and
+    start the launcher watchdog; returns (lock or None, watchdog)."""
+    lock, box = None, [None]
+    if rank == 0:
+        lock = DumpFolderLock(dump_folder)
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            box[0] = str(e)
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ConfigError(box[0])
+    return lock, LauncherWatchdog(lock).start()
