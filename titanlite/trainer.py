@@ -173,15 +173,10 @@ class Trainer:
                 data = self.dataloader.next_step()
                 lr = self.lr_scheduler.get_last_lr()[0]
                 out = self.train_step(data.microbatches, data.global_valid_tokens)
-                local_tokens = (
-                    data.local_tokens if data.local_tokens >= 0 else sum(mb.inputs.numel() for mb in data.microbatches)
-                )  # padding is not a token trained on
-                self.tokens_seen += (
-                    data.global_tokens if data.global_tokens >= 0 else local_tokens * self.dims.dp_degree
-                )
+                self.tokens_seen += data.global_tokens  # padding is not a token trained on
                 for i, n in enumerate(data.sequences_by_source):
                     self.tokens_by_source[i] += n * cfg.training.seq_len
-                self.metrics.step_done(self.step, local_tokens)
+                self.metrics.step_done(self.step, data.local_tokens)
                 self._track_non_finite(out)
                 # Only logged steps read device values (host syncs) and all-reduce the loss.
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:

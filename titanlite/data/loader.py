@@ -36,8 +36,8 @@ class Step:
     microbatches: list[Microbatch]
     global_valid_tokens: int  # labels that count over the global batch (every rank, every microbatch)
     sequences_by_source: list[int]  # global sequences of this step from each source
-    local_tokens: int = -1  # this rank's input tokens that are not padding (-1: every input)
-    global_tokens: int = -1  # the same over the global batch
+    local_tokens: int  # this rank's input tokens that are not padding
+    global_tokens: int  # the same over the global batch
 
 
 def to_microbatches(windows: list, local_batch_size: int, pin_memory: bool = False) -> list[Microbatch]:

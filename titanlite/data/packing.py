@@ -148,11 +148,15 @@ class PackedDataLoader:
             Window(t.numpy(), positions_from_starts(s.numpy()), np.ones(window, dtype=np.uint8))
             for t, s in zip(tokens[lo:hi], starts[lo:hi])
         ]
-        # Every label of a packed window is a real next token: the global count is known without communication.
+        # Every label of a packed window is a real next token and nothing is padding: the global counts are
+        # known without communication.
+        global_tokens = self.global_batch_size * self.seq_len
         return Step(
             to_microbatches(windows, self.local_batch_size),
-            self.global_batch_size * self.seq_len,
-            [self.global_batch_size],
+            global_valid_tokens=global_tokens,
+            sequences_by_source=[self.global_batch_size],
+            local_tokens=per_rank * self.seq_len,
+            global_tokens=global_tokens,
         )
 
     def state_dict(self) -> dict[str, int]:
