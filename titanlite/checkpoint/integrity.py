@@ -67,35 +67,25 @@ def read_manifest(folder: Path) -> dict[str, list[int]] | None:
         return {MANIFEST: [-1, -1]}  # an unreadable manifest: every check of it fails
 
 
+def _file_problem(folder: Path, name: str, size: int, crc: int | None) -> str | None:
+    """What is wrong with one file of the manifest (crc None: the size only), or None."""
+    path = folder / name
+    if not path.is_file():
+        return f"{name} is missing"
+    if path.stat().st_size != size:
+        return f"{name} has {path.stat().st_size:,} bytes, not {size:,} (truncated?)"
+    if crc is not None and file_crc(path) != crc:
+        return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
 def quick_problems(folder: Path) -> list[str]:
     """Missing or wrong-size files (no checksums): what a pre-launch check can afford."""
-    files = read_manifest(folder)
-    if files is None:
-        return []
-    problems = []
-    for name, (size, _) in files.items():
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != size:
-            problems.append(f"{name} has {path.stat().st_size:,} bytes, not {size:,} (truncated?)")
-    return problems
+    files = read_manifest(folder) or {}
+    return [p for name, (size, _) in files.items() if (p := _file_problem(folder, name, size, None))]
 
 
 def rank_problems(folder: Path, rank: int, world: int) -> list[str]:
     """This rank's share of the checks: sizes and checksums of every world-th file."""
-    files = read_manifest(folder)
-    if files is None:
-        return []
-    problems = []
-    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
-        if i % world != rank:
-            continue
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != size:
-            problems.append(f"{name} has {path.stat().st_size:,} bytes, not {size:,} (truncated?)")
-        elif file_crc(path) != crc:
-            problems.append(f"{name} does not match its checksum (corrupted)")
-    return problems
+    files = sorted((read_manifest(folder) or {}).items())
+    return [p for name, (size, crc) in files[rank::world] if (p := _file_problem(folder, name, size, crc))]

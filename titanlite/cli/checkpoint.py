@@ -10,14 +10,13 @@ and the tokenizer from the job_config.toml and model_args.json saved in the step
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import export, model_prefix, resolve_step
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_FILE_BYTES, export_hf
-from titanlite.config import load
+from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
@@ -57,14 +56,13 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
         metadata = read_metadata(step)
     except ValueError as e:
         raise ConfigError(f"--checkpoint {step} is not a usable DCP checkpoint: {e}") from None
-    args_file, config_file = step / "model_args.json", step / "job_config.toml"
-    if not args_file.is_file() or not config_file.is_file():
+    saved_args, cfg = saved_model_args(step), saved_job_config(step)
+    if saved_args is None or cfg is None:
         raise ConfigError(
-            f"--checkpoint {step} has no model_args.json / job_config.toml (saved by titanlite since "
+            f"--checkpoint {step} has no readable model_args.json / job_config.toml (saved by titanlite since "
             f"HF export exists); export --format consolidated, or save it again with this version"
         )
-    args = args_from_dict(json.loads(args_file.read_text()))
-    cfg = load(["--job.config_file", str(config_file)])
+    args = args_from_dict(saved_args)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     return export_hf(
         step, model_prefix(metadata), output, args, TORCH_DTYPES[dtype] if dtype else None, tokenizer, max_file_bytes
