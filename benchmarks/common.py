@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titanlite.distributed import exit_process, free_port
+from titanlite.distributed import exit_process, free_port, shutdown
 
 BENCH_FLAVOR = "bench"
 
@@ -72,13 +72,12 @@ def _worker(rank: int, world_size: int, port: int, device: str, fn, args, out_di
     )
     if device == "cpu":  # share the cores; more threads than cores only adds contention
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    finished = False
     try:
         result = fn(*args)
-        if dist.is_initialized():
-            dist.barrier()  # leave together: a rank tearing down its groups while a peer still talks aborts gloo
+        finished = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(wait_for_peers=finished)  # after a clean run, the ranks leave together
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     exit_process(0)  # no interpreter teardown racing gloo's threads (see titanlite.distributed.exit_process)
 

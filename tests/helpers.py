@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from titanlite.distributed import exit_process, free_port
+from titanlite.distributed import exit_process, free_port, shutdown
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
@@ -100,6 +101,18 @@ def subprocess_env(**extra) -> dict:
     }
 
 
+def run_module(module: str, *args, env: dict | None = None, timeout: float = 300):
+    """Run `python -m module args` from the checkout (subprocess_env unless env is given); output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=ROOT,
+        env=env if env is not None else subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def faults_env(spec: str, **extra) -> dict:
     """subprocess_env plus fault injection (tests/faults/sitecustomize.py reads TITANLITE_FAULTS)."""
     return subprocess_env(PYTHONPATH=f"{FAULTS_DIR}{os.pathsep}{ROOT}", TITANLITE_FAULTS=spec, **extra)
@@ -134,15 +147,12 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, out_dir: st
         TITANLITE_DEVICE="cpu",
     )
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
+    finished = False
     try:
         result = fn(*args, **kwargs)
-        if dist.is_initialized():
-            dist.barrier()  # leave together (see titanlite.distributed.shutdown)
+        finished = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(wait_for_peers=finished)  # after a clean run, the ranks leave together
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     exit_process(0)  # no interpreter teardown racing gloo's threads (see titanlite.distributed.exit_process)
 

@@ -3,13 +3,11 @@
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import capture_logs, ckpt_argv, full_model, load_everything, make_trainer, run_distributed, subprocess_env
+from helpers import capture_logs, ckpt_argv, full_model, load_everything, make_trainer, run_distributed, run_module
 
 pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
 
@@ -171,21 +169,18 @@ def test_async_save_equals_sync_and_export_import(tmp_path):
     model = saved["model"]
     assert "layers.0.attention.wq.weight" in model
 
-    env = subprocess_env()
     files = {}
     for dtype in ("", "bfloat16"):
         out = tmp_path / f"export{dtype}.pt"
-        cmd = [
-            sys.executable,
-            "-m",
+        p = run_module(
             "titanlite.checkpoint",
             "export",
             "--checkpoint",
-            str(tmp_path / "sync" / "step-4"),
+            tmp_path / "sync" / "step-4",
             "--output",
-            str(out),
-        ] + (["--dtype", dtype] if dtype else [])
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+            out,
+            *(["--dtype", dtype] if dtype else []),
+        )
         assert p.returncode == 0, p.stderr
         files[dtype or "float32"] = out
     fp32 = torch.load(files["float32"], weights_only=True)
@@ -193,22 +188,7 @@ def test_async_save_equals_sync_and_export_import(tmp_path):
     _assert_same(fp32, model)
     assert bf16.keys() == model.keys() and all(v.dtype == torch.bfloat16 for v in bf16.values())
     assert torch.equal(bf16["output.weight"], model["output.weight"].bfloat16())
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titanlite.checkpoint",
-            "export",
-            "--checkpoint",
-            str(tmp_path / "nope"),
-            "--output",
-            str(tmp_path / "x.pt"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = run_module("titanlite.checkpoint", "export", "--checkpoint", tmp_path / "nope", "--output", tmp_path / "x.pt")
     assert p.returncode == 2 and "Traceback" not in p.stderr and "nope" in p.stderr
 
     sources = {"file": str(files["float32"]), "bf16": str(files["bfloat16"]), "dcp": str(tmp_path / "sync" / "step-4")}

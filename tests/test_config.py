@@ -1,12 +1,11 @@
 """Config: TOML + CLI precedence, --help, and a clear message for each kind of bad input."""
 
-import subprocess
-import sys
-
 import pytest
 
 from titanlite import config
 from titanlite.config import ConfigError, load
+
+from helpers import run_module
 
 
 @pytest.fixture
@@ -112,19 +111,7 @@ def test_help_lists_every_field_with_doc():
 
 
 def test_cli_check_exits_2_without_traceback():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titanlite.config",
-            "--world-size",
-            "4",
-            "--parallelism.data_parallel_shard_degree",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = run_module("titanlite.config", "--world-size", "4", "--parallelism.data_parallel_shard_degree", "3")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert "data_parallel_shard_degree = 3" in r.stderr and "world size is 4" in r.stderr

@@ -3,13 +3,12 @@
 import json
 import math
 import os
-import subprocess
-import sys
+import shutil
 
 import pytest
 import torch
 
-from helpers import ROOT, make_trainer, run_distributed, subprocess_env, tiny_argv
+from helpers import make_trainer, run_distributed, run_module, subprocess_env, tiny_argv
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -197,28 +196,19 @@ def test_train_export_and_load_with_transformers(tmp_path):
     # the export command from the DCP checkpoint, fp32 and bf16, needs no config
     for dtype in ("float32", "bfloat16"):
         dest = tmp_path / f"export-{dtype}"
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "titanlite.checkpoint",
-                "export",
-                "--checkpoint",
-                str(tmp_path / "checkpoint"),
-                "--output",
-                str(dest),
-                "--format",
-                "hf",
-                "--dtype",
-                dtype,
-                "--max-shard-size",
-                "100000",
-            ],
-            cwd=ROOT,
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
+        r = run_module(
+            "titanlite.checkpoint",
+            "export",
+            "--checkpoint",
+            tmp_path / "checkpoint",
+            "--output",
+            dest,
+            "--format",
+            "hf",
+            "--dtype",
+            dtype,
+            "--max-shard-size",
+            "100000",
         )
         assert r.returncode == 0, r.stderr[-3000:]
         assert len(list(dest.glob("*.safetensors"))) > 1
@@ -228,6 +218,15 @@ def test_train_export_and_load_with_transformers(tmp_path):
             with torch.no_grad():
                 assert (loaded(x).logits - hf(x).logits).abs().max() < 1e-6
         assert json.loads((dest / "config.json").read_text())["torch_dtype"] == dtype
+    # a step folder without the run files (saved before HF export existed) gets one clear message
+    older = tmp_path / "older" / "step-3"
+    shutil.copytree(tmp_path / "checkpoint" / "step-3", older)
+    (older / "model_args.json").unlink()
+    r = run_module(
+        "titanlite.checkpoint", "export", "--checkpoint", older, "--output", tmp_path / "x", "--format", "hf"
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "has no readable model_args.json / job_config.toml" in r.stderr and not (tmp_path / "x").exists()
 
 
 def _folder_state(folder):
@@ -235,14 +234,7 @@ def _folder_state(folder):
 
 
 def _check(args):
-    r = subprocess.run(
-        [sys.executable, "-m", "titanlite.config", "--world-size", "1", *args],
-        cwd=ROOT,
-        env=subprocess_env(TITANLITE_QUIET_CHECK="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_module("titanlite.config", "--world-size", "1", *args, env=subprocess_env(TITANLITE_QUIET_CHECK="1"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
     return r.stderr
 
@@ -302,25 +294,16 @@ def test_llama3_tokenizer_folder(tmp_path):
 @pytest.mark.slow
 def test_generate_from_a_hf_folder_needs_no_other_flag(tmp_path):
     hf = hf_model(tmp_path, tied=True, scaling=LLAMA31_SCALING, vocab=258)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titanlite.generate",
-            "--checkpoint",
-            str(tmp_path),
-            "--prompt",
-            "The function",
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "20",
-        ],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_module(
+        "titanlite.generate",
+        "--checkpoint",
+        tmp_path,
+        "--prompt",
+        "The function",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "20",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     prompt = torch.tensor([[256, *b"The function"]])

@@ -60,9 +60,9 @@ def _alive(pid):
         return f.read().split()[2] != "Z"
 
 
-@pytest.mark.slow
-def test_one_job_per_dump_folder_and_no_orphans(tmp_path):
-    argv = tiny_argv(
+def _endless_job_argv(tmp_path, *extra):
+    """A 2-rank job that trains until it is stopped, checkpointing only when asked to stop."""
+    return tiny_argv(
         tmp_path / "job",
         "--training.steps",
         "100000",
@@ -71,7 +71,13 @@ def test_one_job_per_dump_folder_and_no_orphans(tmp_path):
         "--checkpoint.enable",
         "--checkpoint.interval",
         "100000",
+        *extra,
     )
+
+
+@pytest.mark.slow
+def test_one_job_per_dump_folder_and_no_orphans(tmp_path):
+    argv = _endless_job_argv(tmp_path)
     log = tmp_path / "a.log"
     with open(log, "w") as out:
         first = subprocess.Popen(
@@ -108,17 +114,7 @@ def test_one_job_per_dump_folder_and_no_orphans(tmp_path):
 
 
 def _run_until_step(tmp_path, name, step, extra=()):
-    argv = tiny_argv(
-        tmp_path / "job",
-        "--training.steps",
-        "100000",
-        "--training.local_batch_size",
-        "4",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "100000",
-        *extra,
-    )
+    argv = _endless_job_argv(tmp_path, *extra)
     log = tmp_path / f"{name}.log"
     out = open(log, "w")
     proc = subprocess.Popen(

@@ -5,18 +5,24 @@ themselves (a patched writer inside the worker, bytes flipped on disk), never by
 import errno
 import json
 import subprocess
-import sys
 
 import pytest
 
 from titanlite.config import load
 from titanlite.errors import CheckpointSaveError, ConfigError
 
-from helpers import ROOT, capture_logs, ckpt_argv, make_trainer, run_distributed, subprocess_env, tiny_argv
+from helpers import ROOT, capture_logs, ckpt_argv, make_trainer, run_distributed, run_module, subprocess_env, tiny_argv
 
 
 def _full_argv(tmp, *extra):
     return ckpt_argv(tmp, "--training.local_batch_size", "4", "--checkpoint.interval", "2", *extra)
+
+
+def _precheck(tmp, *extra):
+    """The pre-launch check (`python -m titanlite.config`) of a 2-rank run of _full_argv."""
+    return run_module(
+        "titanlite.config", "--world-size", "2", *_full_argv(tmp, *extra), env=subprocess_env(TITANLITE_QUIET_CHECK="1")
+    )
 
 
 # ----------------------------------------------------------------------------- 1. disk full during a save
@@ -108,40 +114,14 @@ def test_corrupt_checkpoints_are_skipped_or_refused(tmp_path):
     r = run_distributed(_resume_from, 2, tmp_path, "--checkpoint.load_step", "6")[0]
     assert "checkpoint.load_step = 6" in r["error"] and "is corrupt" in r["error"] and victim.name in r["error"]
     # a checkpoint of another model shape is refused by the pre-launch check, from its metadata alone
-    check = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titanlite.config",
-            "--world-size",
-            "2",
-            *_full_argv(tmp_path, "--model.vocab_size", "300"),
-        ],
-        cwd=ROOT,
-        env=subprocess_env(TITANLITE_QUIET_CHECK="1"),
-        capture_output=True,
-        text=True,
-    )
+    check = _precheck(tmp_path, "--model.vocab_size", "300")
     assert check.returncode == 2 and "Traceback" not in check.stderr, check.stderr
     assert (
         "was saved by a model of another shape" in check.stderr and "vocab_size: 258 in the checkpoint" in check.stderr
     )
     # truncated and missing files: the pre-launch check sees them from the manifest's sizes
     victim.write_bytes(bytes(data)[:1000])
-    check = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titanlite.config",
-            "--world-size",
-            "2",
-            *_full_argv(tmp_path, "--checkpoint.load_step", "6"),
-        ],
-        cwd=ROOT,
-        env=subprocess_env(TITANLITE_QUIET_CHECK="1"),
-        capture_output=True,
-        text=True,
-    )
+    check = _precheck(tmp_path, "--checkpoint.load_step", "6")
     assert check.returncode == 2 and "Traceback" not in check.stderr and "truncated" in check.stderr
     victim.unlink()
     r = run_distributed(_resume_from, 2, tmp_path)[0]
@@ -321,30 +301,21 @@ def test_a_data_error_mid_run_is_one_line_and_exit_2(tmp_path):
     folder.mkdir()
     (folder / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 30}) + "\n" for i in range(20)))
     (folder / "b.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{broken\n")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titanlite.train",
-            *tiny_argv(
-                tmp_path,
-                "--training.dataset",
-                str(folder),
-                "--data.store",
-                "none",
-                "--training.steps",
-                "40",
-                "--training.global_batch_size",
-                "4",
-                "--training.local_batch_size",
-                "4",
-            ),
-        ],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_module(
+        "titanlite.train",
+        *tiny_argv(
+            tmp_path,
+            "--training.dataset",
+            folder,
+            "--data.store",
+            "none",
+            "--training.steps",
+            "40",
+            "--training.global_batch_size",
+            "4",
+            "--training.local_batch_size",
+            "4",
+        ),
     )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "config error: training.dataset" in r.stderr and "line 2 of" in r.stderr and "Traceback" not in r.stderr

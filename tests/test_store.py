@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ from titanlite.data.store_build import store_key, store_path
 from titanlite.data.tokenizers import ByteTokenizer
 from titanlite.errors import ConfigError
 
-from helpers import ROOT, run_distributed, subprocess_env
+from helpers import run_distributed, run_module
 
 DOCS = [f"document {i}: " + "words of text " * (i % 7 + 1) for i in range(60)]
 
@@ -222,24 +220,13 @@ def test_a_store_built_by_two_ranks_equals_one_built_by_one(tmp_path, docs_jsonl
     assert (parts2, parts1) == (2, 1) and np.array_equal(t2, t1) and np.array_equal(o2, o1)
     # the CLI with 2 workers writes the same stream again; a second call finds it
     out = tmp_path / "cli"
-    cmd = [
-        sys.executable,
-        "-m",
-        "titanlite.data",
-        "prepare",
-        "--dataset",
-        str(docs_jsonl),
-        "--output",
-        str(out),
-        "--workers",
-        "2",
-    ]
-    r = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    cmd = ["titanlite.data", "prepare", "--dataset", docs_jsonl, "--output", out, "--workers", "2"]
+    r = run_module(*cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tokens/s" in r.stderr and "wrote token store" in r.stdout
     t3, o3, parts3 = _stream(out)
     assert parts3 == 2 and np.array_equal(t3, t1) and np.array_equal(o3, o1)
-    r = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    r = run_module(*cmd)
     assert r.returncode == 0 and "already exists" in r.stdout
     # training.dataset may name the prepared store; another tokenizer is refused
     cfg = load(["--training.dataset", str(out), "--data.prefetch", "0", "--training.global_batch_size", "8"])
@@ -251,14 +238,7 @@ def test_a_store_built_by_two_ranks_equals_one_built_by_one(tmp_path, docs_jsonl
 
     with pytest.raises(ConfigError, match="is a token store built with another tokenizer"):
         check_data(cfg, OtherTokenizer())
-    bad = subprocess.run(
-        [sys.executable, "-m", "titanlite.data", "prepare", "--dataset", str(tmp_path / "missing")],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    bad = run_module("titanlite.data", "prepare", "--dataset", tmp_path / "missing")
     assert bad.returncode == 2 and "no such file" in bad.stderr and "Traceback" not in bad.stderr
 
 
