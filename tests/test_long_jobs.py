@@ -4,7 +4,9 @@ themselves (a patched writer inside the worker, bytes flipped on disk), never by
 
 import errno
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 
@@ -381,3 +383,42 @@ def test_a_really_full_disk(small_disk):
     assert not list((small_disk / "checkpoint").glob(".tmp-step-*"))  # the space is given back
     intact = sorted((small_disk / "checkpoint").glob("step-*"))
     assert intact and all((p / "manifest.json").is_file() for p in intact)
+
+
+def test_dump_folder_lock_refuses_a_live_job_even_when_both_start_at_once(tmp_path, monkeypatch):
+    import socket
+
+    from titanlite import run_control
+
+    other = {"host": socket.gethostname(), "pid": os.getppid(), "run_id": "", "started": "then"}  # alive
+    # A second job on the folder is refused, naming the first.
+    (tmp_path / run_control.LOCK_NAME).write_text(json.dumps(other))
+    with pytest.raises(ConfigError, match=f"in use by another titanlite job .*pid {os.getppid()}"):
+        run_control.DumpFolderLock(tmp_path).acquire()
+    # Both start at once: the other job writes its lock just after this one looked and saw none.
+    (tmp_path / run_control.LOCK_NAME).unlink()
+    real_read, looks = run_control.read_lock, []
+
+    def other_job_locks_after_the_first_look(folder):
+        looks.append(folder)
+        holder = real_read(folder)
+        if len(looks) == 1:
+            (tmp_path / run_control.LOCK_NAME).write_text(json.dumps(other))
+        return holder
+
+    monkeypatch.setattr(run_control, "read_lock", other_job_locks_after_the_first_look)
+    with pytest.raises(ConfigError, match=f"pid {os.getppid()}"):
+        run_control.DumpFolderLock(tmp_path).acquire()
+    assert json.loads((tmp_path / run_control.LOCK_NAME).read_text())["pid"] == os.getppid()  # not overwritten
+    monkeypatch.setattr(run_control, "read_lock", real_read)
+    # A lock whose job is gone, or an unreadable one, is taken over; release removes it.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for text in (json.dumps({**other, "pid": dead.pid}), ""):
+        (tmp_path / run_control.LOCK_NAME).write_text(text)
+        lock = run_control.DumpFolderLock(tmp_path)
+        lock.acquire()
+        assert json.loads((tmp_path / run_control.LOCK_NAME).read_text())["pid"] == os.getpid()
+        lock.release()
+        assert not (tmp_path / run_control.LOCK_NAME).exists()
+    assert not list(tmp_path.glob("*.tmp"))

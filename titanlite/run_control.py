@@ -75,18 +75,25 @@ def describe_holder(holder: dict) -> str:
     )
 
 
+def _other_job(holder: dict | None) -> bool:
+    """Whether a lock was written by another job (not this process, not an earlier attempt of this run)."""
+    if holder is None or holder.get("pid") == os.getpid():
+        return False
+    return not (bool(_run_id()) and holder.get("run_id") == _run_id())
+
+
+def _in_use(folder: Path, holder: dict) -> ConfigError:
+    return ConfigError(
+        f"job.dump_folder = {str(folder)!r} is in use by another titanlite job ({describe_holder(holder)}); "
+        f"wait for it to end, stop it, or choose another job.dump_folder"
+    )
+
+
 def check_lock_free(folder: Path) -> None:
     """ConfigError naming the job that holds the folder's lock, if one is alive (no lock is taken)."""
     holder = read_lock(folder)
-    if holder and holder.get("pid") != os.getpid() and holder_alive(holder) and not _same_run(holder):
-        raise ConfigError(
-            f"job.dump_folder = {str(folder)!r} is in use by another titanlite job ({describe_holder(holder)}); "
-            f"wait for it to end, stop it, or choose another job.dump_folder"
-        )
-
-
-def _same_run(holder: dict) -> bool:
-    return bool(_run_id()) and holder.get("run_id") == _run_id()
+    if _other_job(holder) and holder_alive(holder):
+        raise _in_use(folder, holder)
 
 
 class DumpFolderLock:
@@ -101,13 +108,12 @@ class DumpFolderLock:
         """Take the lock; ConfigError when a live job holds it; a stale lock is taken over with a warning."""
         self.folder.mkdir(parents=True, exist_ok=True)
         holder = read_lock(self.folder)
-        if holder is not None:
-            if holder.get("pid") != os.getpid() and not _same_run(holder) and holder_alive(holder):
-                check_lock_free(self.folder)
-            if holder.get("pid") != os.getpid() and not _same_run(holder):
-                logger.warning(
-                    f"Taking over the lock of a titanlite job that is gone ({describe_holder(holder)}) in {self.folder}"
-                )
+        if _other_job(holder):
+            if holder_alive(holder):
+                raise _in_use(self.folder, holder)
+            logger.warning(
+                f"Taking over the lock of a titanlite job that is gone ({describe_holder(holder)}) in {self.folder}"
+            )
         me = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -116,8 +122,27 @@ class DumpFolderLock:
         }
         tmp = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(me))
-        os.replace(tmp, self.path)
+        try:
+            if holder is None:
+                self._create(tmp)
+            else:  # taken over from a job that is gone, or this run's own from an earlier attempt
+                os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
         self.held = True
+
+    def _create(self, written: Path) -> None:
+        # link() fails when the lock exists, so of two jobs that start at the same moment exactly one gets it.
+        try:
+            os.link(written, self.path)
+        except FileExistsError:
+            holder = read_lock(self.folder)
+            if holder is not None:  # written since we looked (locks are written whole, never partly)
+                raise _in_use(self.folder, holder) from None
+            logger.warning(f"Replacing the unreadable lock file {self.path}")
+            os.replace(written, self.path)
+        except OSError:  # a filesystem without hard links
+            os.replace(written, self.path)
 
     def heartbeat(self) -> None:
         """Show that the holder is alive (the lock's modification time)."""
