@@ -13,12 +13,20 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
+def training_loss(compiled: bool):
+    """summed_cross_entropy, or its torch.compile'd form: one fused kernel that reads the low-precision logits
+    and never holds a full fp32 copy of them (nor of log_softmax) for the whole microbatch."""
+    return torch.compile(summed_cross_entropy) if compiled else summed_cross_entropy
+
+
 def counted_labels(labels: torch.Tensor) -> torch.Tensor:
     """How many labels count in the loss."""
     return (labels != IGNORE_INDEX).sum()
 
 
-def microbatch_loss(model: torch.nn.Module, microbatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def microbatch_loss(
+    model: torch.nn.Module, microbatch, device: torch.device, loss_fn=summed_cross_entropy
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy, labels on the device) of one microbatch (inputs, labels[, positions]).
 
     A model with block-causal attention also gets the positions, which mark where documents start.
@@ -29,4 +37,4 @@ def microbatch_loss(model: torch.nn.Module, microbatch, device: torch.device) ->
         logits = model(inputs, microbatch[2].to(device, non_blocking=True))
     else:
         logits = model(inputs)
-    return summed_cross_entropy(logits, labels), labels
+    return loss_fn(logits, labels), labels

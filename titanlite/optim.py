@@ -14,9 +14,13 @@ def optimizer_hyperparameters(opt_cfg) -> dict:
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:
-    """AdamW (or Adam) over the model's (sharded) parameters."""
+    """AdamW (or Adam) over the model's (sharded) parameters: the fused kernel when they are all on an
+    accelerator, else the foreach (multi-tensor) implementation."""
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[opt_cfg.name]
-    return cls(model.parameters(), lr=opt_cfg.lr, foreach=True, **optimizer_hyperparameters(opt_cfg))
+    params = list(model.parameters())
+    on_accelerator = bool(params) and all(p.device.type not in ("cpu", "meta") for p in params)
+    impl = {"fused": True} if on_accelerator else {"foreach": True}
+    return cls(params, lr=opt_cfg.lr, **impl, **optimizer_hyperparameters(opt_cfg))
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, min_factor: float) -> float:

@@ -21,7 +21,7 @@ from titanlite.distributed import init_distributed, pick_device, set_seed, world
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import NonFiniteLossError
 from titanlite.flops import flops_per_token
-from titanlite.loss import counted_labels, microbatch_loss
+from titanlite.loss import counted_labels, microbatch_loss, training_loss
 from titanlite.metrics import MetricsLogger
 from titanlite.model_builder import build_model
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -90,6 +90,8 @@ class Trainer:
         if sync_line:
             logger.info(sync_line)
 
+        # With [compile] on (inductor only: the loss has no graph breaks to hide), the loss is compiled too.
+        self.loss_fn = training_loss(cfg.compile.enable and cfg.compile.backend == "inductor")
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
@@ -137,7 +139,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
-                token_loss_sum, _ = microbatch_loss(self.model, mb, self.device)
+                token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
                 (token_loss_sum * scale).backward()
             loss_sum += token_loss_sum.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
