@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from helpers import TEST_DEVICE
+
 
 @pytest.fixture(scope="session", autouse=True)
 def corpus_cache(tmp_path_factory):
@@ -35,3 +37,12 @@ def offline_hub():
         mp.setattr(datasets.config, "HF_DATASETS_CACHE", os.environ["HF_DATASETS_CACHE"])
         mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_process_device():
+    """In-process Trainers compute on the test device (cpu unless TITANLITE_TEST_DEVICE=cuda), even where a GPU is
+    visible: a suite run is on one device by choice, never by accident of the machine."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TITANLITE_DEVICE", TEST_DEVICE)
+        yield TEST_DEVICE

@@ -20,6 +20,15 @@ from titanlite.distributed import exit_process, free_port, shutdown
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
 
+# Where single-process tests compute: TITANLITE_TEST_DEVICE=cuda runs them on the GPU (the GPU check does);
+# multi-rank tests stay on gloo/CPU (several ranks cannot share one GPU under NCCL).
+TEST_DEVICE = os.environ.get("TITANLITE_TEST_DEVICE", "cpu")
+
+
+def compute_device() -> torch.device:
+    """The device single-process tests compute on: cpu unless TITANLITE_TEST_DEVICE says otherwise."""
+    return torch.device(TEST_DEVICE)
+
 
 def tiny_argv(tmp, *extra):
     """10 fp32 steps of the tiny model at seq 32, logged every step, outputs under tmp."""
@@ -90,10 +99,12 @@ def capture_logs() -> list[str]:
 
 
 def subprocess_env(**extra) -> dict:
-    """The environment for titanlite subprocesses: this checkout on PYTHONPATH, offline, CPU, one thread."""
+    """The environment for titanlite subprocesses: this checkout on PYTHONPATH, offline, CPU, one thread.
+
+    Pass TITANLITE_DEVICE=TEST_DEVICE for a single-process run that may use the test device."""
     return {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
         "TITANLITE_DEVICE": "cpu",
@@ -102,11 +113,12 @@ def subprocess_env(**extra) -> dict:
 
 
 def run_module(module: str, *args, env: dict | None = None, timeout: float = 300):
-    """Run `python -m module args` from the checkout (subprocess_env unless env is given); output captured as text."""
+    """Run `python -m module args` from the checkout, one process on the test device (unless env is given);
+    output captured as text."""
     return subprocess.run(
         [sys.executable, "-m", module, *map(str, args)],
         cwd=ROOT,
-        env=env if env is not None else subprocess_env(),
+        env=env if env is not None else subprocess_env(TITANLITE_DEVICE=TEST_DEVICE),
         capture_output=True,
         text=True,
         timeout=timeout,

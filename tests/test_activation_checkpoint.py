@@ -19,7 +19,7 @@ from titanlite.models.llama import Transformer
 from titanlite.models.llama_args import LlamaArgs
 from titanlite.parallelize import apply_ac, checkpointed_blocks, compile_problem
 
-from helpers import make_trainer, run_distributed, tiny_argv, train_all
+from helpers import compute_device, make_trainer, run_distributed, tiny_argv, train_all
 
 MODES = {"none": ("none", "2"), "full": ("full", "2"), "selective2": ("selective", "2"), "op": ("selective", "op")}
 
@@ -30,17 +30,19 @@ def _ac_cfg(name):
 
 
 def _step(args, ac_name, dtype=torch.float32, batch=4, seq=64):
-    """One forward and backward on CPU: loss, grads, names, keys, measured and estimated activation peaks."""
+    """One forward and backward on the test device: loss, grads, names, keys, measured and estimated activation
+    peaks."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    device = compute_device()
     model = Transformer(args)
     model.init_weights(seed=0)
     with warnings.catch_warnings():  # .to(bf16) casts the complex RoPE table too; init_buffers rebuilds it
         warnings.simplefilter("ignore", UserWarning)
-        model.to(dtype)
+        model.to(device, dtype)
     model.init_buffers()
     wrapped = apply_ac(model, _ac_cfg(ac_name))
-    tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     tracker = MemTracker()
     tracker.track_external(model, tokens)
     with tracker:
@@ -48,7 +50,7 @@ def _step(args, ac_name, dtype=torch.float32, batch=4, seq=64):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
         del logits
         loss.backward()
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    peak = next(v for d, v in tracker.get_tracker_snapshot("peak").items() if d.type == device.type)  # cuda:0
     measured = sum(v for k, v in peak.items() if k != "Total" and k.value in ("Activation", "Temp"))
     estimated = activation_bytes(args, batch * seq, dtype.itemsize, wrapped, ac_name == "op")["total"]
     return dict(
@@ -194,3 +196,28 @@ def test_selective_option_beyond_layers_is_a_config_error(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"selective_ac_option = '3' checkpoints no block of the 2.*1 to 2"):
         validate_for_world(cfg, 1)
+
+
+@pytest.mark.slow
+def test_compiled_loss_equals_the_plain_loss():
+    """[compile] also compiles the loss (no fp32 copy of the logits kept); it is the same function."""
+    from titanlite.loss import IGNORE_INDEX, summed_cross_entropy, training_loss
+
+    problem = compile_problem(types.SimpleNamespace(enable=True, backend="inductor"), "cpu")
+    if problem:
+        pytest.skip(problem)
+    assert training_loss(False) is summed_cross_entropy
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 500, (2, 33), generator=g)
+    labels[0, :5] = IGNORE_INDEX
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        base = torch.randn(2, 33, 500, generator=g).to(dtype)
+        results = []
+        for fn in (summed_cross_entropy, training_loss(True)):
+            logits = base.clone().requires_grad_()
+            loss = fn(logits, labels)
+            loss.backward()
+            results.append((loss.detach(), logits.grad.float()))
+        (plain, plain_grad), (compiled, compiled_grad) = results
+        assert abs(compiled.item() - plain.item()) <= 1e-6 * abs(plain.item()), dtype
+        assert (compiled_grad - plain_grad).abs().max() <= tol * plain_grad.abs().max(), dtype

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import make_trainer, run_distributed, run_module, subprocess_env, tiny_argv
+from helpers import compute_device, make_trainer, run_distributed, run_module, subprocess_env, tiny_argv
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -102,8 +102,10 @@ def _titanlite_from(folder):
 def test_import_gives_transformers_logits(tmp_path, tied, scaling, kv_heads):
     hf = hf_model(tmp_path, tied=tied, scaling=scaling, kv_heads=kv_heads)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
-    ours = _titanlite_from(tmp_path)
-    x = torch.randint(0, 300, (2, 300))  # past original_max_position_embeddings = 64: the scaled band matters
+    device = compute_device()
+    ours, hf = _titanlite_from(tmp_path).to(device), hf.to(device)
+    ours.init_buffers()  # the RoPE table is rebuilt in float64 on the device
+    x = torch.randint(0, 300, (2, 300)).to(device)  # past original_max_position_embeddings = 64: scaling matters
     with torch.no_grad():
         assert (ours(x) - hf(x).logits).abs().max() < 1e-5
 

@@ -11,7 +11,7 @@ from titanlite.data.tokenizers import ByteTokenizer
 from titanlite.errors import ConfigError
 from titanlite.loss import IGNORE_INDEX
 
-from helpers import capture_logs, make_trainer, run_distributed, tiny_argv, train_all
+from helpers import capture_logs, compute_device, make_trainer, run_distributed, tiny_argv, train_all
 
 DOC_LENGTHS = [(10, 23, 31), (40, 24)]  # two packed sequences of 64 tokens
 LLAMA3_TEMPLATE = (  # Llama 3 Instruct's template (without tool use)
@@ -21,29 +21,36 @@ LLAMA3_TEMPLATE = (  # Llama 3 Instruct's template (without tool use)
 )
 
 
-def _tiny_model(attention="block_causal", seed=0):
+def _tiny_model(attention="block_causal", seed=0, device="cpu"):
     from titanlite.models.llama import Transformer
     from titanlite.models.llama_args import LLAMA3_FLAVORS
 
     model = Transformer(LLAMA3_FLAVORS["tiny"].with_overrides(vocab_size=258, attention=attention))
-    model.init_weights(seed)
+    model.init_weights(seed)  # drawn on the CPU, then moved: the same weights on every device
+    model.to(device)
+    model.init_buffers()
     return model
 
 
-def _packed_batch():
+def _device_of(model):
+    return next(model.parameters()).device
+
+
+def _packed_batch(device="cpu"):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (len(DOC_LENGTHS), 64), generator=g)
     positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in DOC_LENGTHS])
     labels = torch.roll(tokens, -1, dims=1)
     labels[positions.roll(-1, dims=1) == 0] = IGNORE_INDEX  # a document's last token predicts nothing
-    return tokens, labels, positions
+    return tokens.to(device), labels.to(device), positions.to(device)
 
 
 def _per_document_reference(model):
     """Logits, summed loss and gradients from running each document alone with causal attention."""
-    tokens, labels, _ = _packed_batch()
+    device = _device_of(model)
+    tokens, labels, _ = _packed_batch(device)
     model.zero_grad()
-    logits, loss = torch.empty(*tokens.shape, 258), torch.zeros(())
+    logits, loss = torch.empty(*tokens.shape, 258, device=device), torch.zeros((), device=device)
     for b, row in enumerate(DOC_LENGTHS):
         start = 0
         for n in row:
@@ -59,7 +66,7 @@ def _per_document_reference(model):
 def _packed_run(model, kernel="sdpa"):
     from titanlite.loss import summed_cross_entropy
 
-    tokens, labels, positions = _packed_batch()
+    tokens, labels, positions = _packed_batch(_device_of(model))
     model.attention_kernel = kernel
     model.zero_grad()
     logits = model(tokens, positions)
@@ -81,17 +88,20 @@ def _assert_close(a, b, what):
 
 
 def test_block_causal_equals_each_document_alone():
-    model = _tiny_model()
+    device = compute_device()
+    model = _tiny_model(device=device)
     ref = _per_document_reference(model)
     _assert_close(_packed_run(model, "sdpa"), ref, "sdpa mask")
-    # FlexAttention, the GPU kernel, has no backward on the CPU: its forward is checked here
-    tokens, _, positions = _packed_batch()
-    model.attention_kernel = "flex"
-    with torch.no_grad():
-        assert (model(tokens, positions) - ref[0]).abs().max() < 1e-5
+    if device.type == "cuda":  # the GPU kernel, forward and backward
+        _assert_close(_packed_run(model, "auto"), ref, "FlexAttention")
+    else:  # FlexAttention has no backward on the CPU: its forward is checked here
+        tokens, _, positions = _packed_batch()
+        model.attention_kernel = "flex"
+        with torch.no_grad():
+            assert (model(tokens, positions) - ref[0]).abs().max() < 1e-5
     # causal attention over the same packed batch does see the other documents
-    causal = _tiny_model("causal")
-    assert (causal(_packed_batch()[0]) - ref[0]).abs().max() > 1e-3
+    causal = _tiny_model("causal", device=device)
+    assert (causal(_packed_batch(device)[0]) - ref[0]).abs().max() > 1e-3
 
 
 def _sharded_block_causal(replicate):
@@ -307,10 +317,10 @@ def _reference_loss(model, cfg):
             for doc in layout.order[layout.bounds[w] : layout.bounds[w + 1]].tolist():
                 tokens, mask = encoder.encode(encoder.conversation(records[doc]))
                 tokens, mask = tokens[: cfg.training.seq_len + 1], mask[: cfg.training.seq_len + 1]
-                logits = model(torch.tensor([tokens[:-1]]))[0]
-                keep = torch.tensor(mask[1:]).bool()
+                logits = model(torch.tensor([tokens[:-1]], device=_device_of(model)))[0]
+                keep = torch.tensor(mask[1:], device=logits.device).bool()
                 total += torch.nn.functional.cross_entropy(
-                    logits[keep], torch.tensor(tokens[1:])[keep], reduction="sum"
+                    logits[keep], torch.tensor(tokens[1:], device=logits.device)[keep], reduction="sum"
                 ).item()
                 counted += int(keep.sum())
     return total / counted
@@ -320,11 +330,11 @@ def test_loss_is_the_mean_over_counted_tokens_per_conversation(tmp_path):
     cfg = load(_sft_argv(tmp_path, "--training.local_batch_size", "4"))
     from titanlite.loss import microbatch_loss
 
-    model = _tiny_model()
+    model = _tiny_model(device=compute_device())
     loader = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1)
     step = loader.next_step()
     with torch.no_grad():
-        loss = sum(microbatch_loss(model, mb, torch.device("cpu"))[0] for mb in step.microbatches)
+        loss = sum(microbatch_loss(model, mb, compute_device())[0] for mb in step.microbatches)
     assert abs(loss.item() / step.global_valid_tokens - _reference_loss(model, cfg)) < 1e-5
     # the counted labels differ between the ranks of a dp-4 step: the invariant is really exercised
     cfg = load(_sft_argv(tmp_path, "--training.local_batch_size", "2"))

@@ -3,9 +3,10 @@
 import math
 
 import pytest
-import torch
 
 from titanlite.config import ConfigError, load
+
+from helpers import compute_device
 
 
 def _held_out(argv):
@@ -88,14 +89,14 @@ def test_one_pass_over_a_held_out_file(tmp_path, store):
     tok = ByteTokenizer()
     model = Transformer(model_args(cfg.model, tok.vocab_size, 32))
     model.init_weights(0)
+    model.to(compute_device())
+    model.init_buffers()
     v = Validator(cfg, build_loader(cfg, tok, "validation", dp_rank=0, dp_degree=1))
-    r1, r2 = v.evaluate(model, torch.device("cpu")), v.evaluate(model, torch.device("cpu"))
+    r1, r2 = v.evaluate(model, compute_device()), v.evaluate(model, compute_device())
     full_batches = stream_tokens // (4 * 33)  # batches that fit without wrapping around
     assert r1.batches == full_batches and r1.tokens == full_batches * 4 * 32
     assert r1.loss == r2.loss and math.isclose(r1.perplexity, math.exp(r1.loss))
     assert 4.0 < r1.loss < 8.0  # untrained, vocab 258: about ln(258) = 5.55
     cfg.validation.steps = 3
-    r3 = Validator(cfg, build_loader(cfg, tok, "validation", dp_rank=0, dp_degree=1)).evaluate(
-        model, torch.device("cpu")
-    )
+    r3 = Validator(cfg, build_loader(cfg, tok, "validation", dp_rank=0, dp_degree=1)).evaluate(model, compute_device())
     assert r3.batches == 3 and r3.tokens == 3 * 4 * 32
