@@ -55,6 +55,12 @@ RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
 RDZV_ID=${RDZV_ID:-titanlite}
 
 whole "$NGPU" && [[ "$NGPU" -ge 1 ]] || die "NGPU=$NGPU is not valid: the processes on this node, a whole number >= 1 (e.g. NGPU=8)"
+if [[ "${TITANLITE_DEVICE:-}" != cpu ]]; then  # NCCL: one GPU per process, never two processes on one GPU
+    gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    if [[ "$gpus" -gt 0 && "$NGPU" -gt "$gpus" ]]; then
+        die "$(python -c "from titanlite.distributed import too_few_gpus; print(too_few_gpus($NGPU, $gpus))")"
+    fi
+fi
 whole "$NNODES" && [[ "$NNODES" -ge 1 ]] || die "NNODES=$NNODES is not valid: the number of nodes, a whole number >= 1"
 whole "$MAX_RESTARTS" || die "MAX_RESTARTS=$MAX_RESTARTS is not valid: how often to restart failed workers, a whole number >= 0"
 IFS=',' read -r -a log_ranks <<< "$LOG_RANK"

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args, env_extra=None, timeout=300):
-    env = {**os.environ, "NGPU": "2", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    # Two gloo ranks on the CPU, also where a GPU is visible (two ranks cannot share one GPU under NCCL).
+    env = {**os.environ, "NGPU": "2", "HF_HUB_OFFLINE": "1", "TITANLITE_DEVICE": "cpu", **(env_extra or {})}
     return subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

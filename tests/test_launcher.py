@@ -173,3 +173,21 @@ def test_ctrl_c_sigterm_to_torchrun_and_a_second_ctrl_c(tmp_path):
         assert proc.wait(timeout=60) == 130 and time.time() - t0 < 10, log.read_text()[-3000:]
     assert "second Ctrl-C: stopping every process now" in log.read_text()
     assert not [pid for pid in _children(proc.pid) if _alive(pid)]
+
+
+def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
+    """Two ranks on one GPU would fail deep inside NCCL ("Duplicate GPU detected"); say what to set instead."""
+    import torch
+
+    from titanlite.distributed import init_distributed
+    from titanlite.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key, value in {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TITANLITE_DEVICE", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"NGPU=2 processes on this node, but 1 GPU\(s\) are visible.*TITANLITE_DEVICE=cpu"
+    ):
+        init_distributed()

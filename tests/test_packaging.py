@@ -1,6 +1,7 @@
 """Packaging and layout: the wheel ships the configs and trains from an empty folder; the README's layout
 section lists every module; imports run one way."""
 
+import os
 import re
 import subprocess
 import sys
@@ -30,13 +31,16 @@ def test_wheel_installs_and_trains_the_debug_config_from_an_empty_folder(tmp_pat
     # which (unlike a site directory) runs none of that folder's .pth files: not the editable titanlite.
     (site,) = (env_dir / "lib").glob("python*/site-packages")
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_TARGET", "PIP_PREFIX")}
     r = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
         capture_output=True,
         text=True,
         timeout=300,
+        env=clean,
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert list(site.glob("titanlite/train.py")), f"the wheel did not land in {site}: {r.stdout[-2000:]}"
     empty = tmp_path / "empty"
     empty.mkdir()
     env = subprocess_env()

@@ -293,3 +293,15 @@ def test_stores_are_reused_not_rebuilt(tmp_path, docs_jsonl):
     assert (path / "store.json").stat().st_mtime_ns == mtime
     assert len([p for p in (tmp_path / "stores").iterdir() if not p.name.startswith(".")]) == 1
     assert os.listdir(tmp_path / "stores") == [path.name]  # no leftover build folder
+
+
+def test_the_builtin_datasets_need_no_datasets_package(tmp_path, monkeypatch):
+    """The default job (built-in corpus, token store) and builtin_chat run where `datasets` is not installed."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    for name in ("builtin", "builtin_chat"):
+        chat = ["--data.format", "chat"] if name == "builtin_chat" else []
+        cfg = _cfg(tmp_path, name, *chat)
+        step = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1).next_step()
+        assert step.global_tokens > 0, name

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanlite.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Env:
@@ -35,6 +37,14 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def too_few_gpus(processes: int, gpus: int) -> str:
+    """The message for more processes on a node than GPUs (NCCL needs a GPU of its own for each)."""
+    return (
+        f"NGPU={processes} processes on this node, but {gpus} GPU(s) are visible: each process needs a GPU of its "
+        f"own; set NGPU to at most {gpus}, or TITANLITE_DEVICE=cpu to run {processes} CPU processes with gloo"
+    )
+
+
 def init_distributed() -> Env:
     """Join (or, without torchrun, create a one-process) process group for this device."""
     os.environ.setdefault("RANK", "0")
@@ -45,6 +55,9 @@ def init_distributed() -> Env:
         os.environ["MASTER_PORT"] = str(free_port())
     local_rank = int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device.type == "cuda" and local_world > torch.cuda.device_count():
+        raise ConfigError(too_few_gpus(local_world, torch.cuda.device_count()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"  # gloo too, for CPU-side collectives (async checkpoint staging)
@@ -87,7 +100,10 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
+        # cuBLAS needs a fixed workspace for reproducible matmuls (read when its first handle is made).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
 
 def free_port() -> int:

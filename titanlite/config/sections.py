@@ -115,7 +115,9 @@ class Training:
     mixed_precision_reduce: str = _f("float32", "dtype gradients are reduced in: float32, bfloat16, float16", **_DTYPE)
     seed: int = _f(42, "seed for weight init and any randomness; the same on every rank")
     enable_cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
-    deterministic: bool = _f(False, "use deterministic algorithms (slower on GPU)")
+    deterministic: bool = _f(
+        False, "deterministic kernels (slower on GPU); without it GPU runs are not bitwise repeatable (CUDA atomics)"
+    )
     loss_on: str = _f(
         "assistant",
         "chat data: the tokens that count in the loss: assistant (every reply), last_assistant (the last reply of "

@@ -240,9 +240,31 @@ def open_stream(spec: DatasetSpec):
     return _open(spec, streaming=True)
 
 
+class RecordTable:
+    """Records held in memory, read like a `datasets.Dataset` (len, column_names, a slice gives columns):
+    the embedded datasets, so that the default job needs no `datasets` package."""
+
+    def __init__(self, records: list[dict]):
+        self.records = records
+        self.column_names = sorted({key for record in records for key in record})
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, rows: slice) -> dict[str, list]:
+        chosen = self.records[rows]
+        return {name: [record.get(name) for record in chosen] for name in self.column_names}
+
+
+def _read_builtin(spec: DatasetSpec) -> RecordTable:
+    with open(resolve_local(spec).files[0], encoding="utf-8") as f:
+        return RecordTable([json.loads(line) for line in f if line.strip()])
+
+
 def open_table(spec: DatasetSpec):
-    """The dataset's split as a memory-mapped Arrow `datasets.Dataset` with its text field checked."""
-    ds = _open(spec, streaming=False)
+    """The dataset's split as a memory-mapped Arrow `datasets.Dataset` (the embedded datasets: a RecordTable)
+    with its text field checked."""
+    ds = _read_builtin(spec) if spec.name in BUILTIN else _open(spec, streaming=False)
     if len(ds) == 0:
         raise ConfigError(f"{spec.key} = {spec.name!r} has no documents")
     if spec.text_field is not None and spec.text_field not in ds.column_names:
