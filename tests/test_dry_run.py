@@ -1,5 +1,6 @@
 """The dry run: sizes the 8B and 70B jobs on a fake process group and catches the run's config errors."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -98,3 +99,46 @@ def test_dry_run_catches_the_runs_config_errors(capsys):
 )
 def test_fsdp_buffer_bytes(policy, expected):
     assert fsdp_buffer_bytes([10, 5, 8], 2, 4, policy) == expected
+
+
+# Peaks measured on one H200 (torch 2.11, bf16, seq 8192, local batch 2, selective 'op' AC; docs/performance.md):
+# (flavor, blocks, compile) -> torch.cuda.max_memory_allocated in GiB.
+MEASURED_H200_PEAKS = {
+    ("1B", 16, False): 51.13,
+    ("1B", 16, True): 34.47,
+    ("8B", 15, False): 96.55,
+    ("8B", 15, True): 79.02,
+}
+
+
+def _estimate(monkeypatch, flavor, blocks, compiled, *extra):
+    from titanlite.config import load
+    from titanlite.models.llama_args import LLAMA3_FLAVORS
+    from titanlite.plan import validate_for_world
+    from titanlite.sizing import estimate
+
+    monkeypatch.setitem(LLAMA3_FLAVORS, "cut", dataclasses.replace(LLAMA3_FLAVORS[flavor], n_layers=blocks))
+    argv = ["--model.flavor", "cut", "--training.seq_len", "8192", "--training.local_batch_size", "2"]
+    argv += ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "selective"]
+    argv += ["--activation_checkpoint.selective_ac_option", "op", *(["--compile.enable"] if compiled else []), *extra]
+    cfg = load(argv + (["--training.global_batch_size", "2"] if "--training.global_batch_size" not in extra else []))
+    return estimate(cfg, validate_for_world(cfg, 1, device_type=None), 1)
+
+
+@pytest.mark.parametrize("shape", list(MEASURED_H200_PEAKS))
+def test_estimate_is_within_ten_percent_of_the_measured_gpu_peak(monkeypatch, shape):
+    est = _estimate(monkeypatch, *shape)
+    assert abs(est.gpu_total / GIB / MEASURED_H200_PEAKS[shape] - 1) < 0.10, (shape, est.gpu_total / GIB)
+
+
+def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
+    eager, compiled = _estimate(monkeypatch, "1B", 2, False), _estimate(monkeypatch, "1B", 2, True)
+    tokens, vocab = 2 * 8192, 128256  # Llama 3.2 1B
+    assert eager.activations["loss or recompute"] == tokens * vocab * 12  # logits, fp32 copy, fp32 log_softmax
+    assert compiled.activations["loss or recompute"] == tokens * vocab * 2  # the bf16 logits only
+    # one microbatch: backward frees activations as it makes gradients, so the peak holds the larger one
+    state = eager.params + eager.optimizer + eager.fsdp_buffers
+    assert eager.gpu_total == state + max(eager.grads, eager.activations["total"])
+    # accumulation: the gradients of earlier microbatches stay beside the next one's activations
+    accum = _estimate(monkeypatch, "1B", 2, False, "--training.global_batch_size", "4")
+    assert accum.grads_with_activations and accum.gpu_total == state + accum.grads + accum.activations["total"]

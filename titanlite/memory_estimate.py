@@ -11,8 +11,10 @@ product); checked against torch's MemTracker on CPU in tests/test_activation_che
                                  (input, q/k/v, attention and wo outputs, w1/w3/w2 outputs)
     recompute (any AC)       one checkpointed block rebuilds its F in backward
     final norm               3*dim * a
-    loss                     vocab * (a + 4 + 4): the logits, their fp32 copy (none when a = 4)
-                             and log_softmax's fp32 output, alive together at the loss
+    loss                     vocab * 12: the logits, their fp32 copy and log_softmax's fp32 output,
+                             alive together at the loss (measured on CPU by MemTracker);
+                             compiled loss ([compile] with inductor): vocab * a, the logits only (one
+                             fused kernel reads them; no fp32 copy is kept)
 
     activations = B*S * (sum over blocks + final norm + max(loss, recompute))
 
@@ -20,7 +22,11 @@ Selective k wraps every k-th block (C) and leaves the others at F. Fused GPU ker
 attention backends) save a little less, so on GPUs this is an upper bound by a few percent.
 
 Sharded state per rank is read from the sharded (meta) model: the local shard of every parameter
-(fp32 master weights), as many bytes of gradients, and AdamW's two fp32 moments. FSDP's buffers in
+(fp32 master weights), as many bytes of gradients, and AdamW's two fp32 moments. With one microbatch
+per step, gradients and activations are not alive at once: backward frees a block's activations as it
+makes that block's gradients (and the last step's gradients were freed by zero_grad), so the step's
+peak holds max(activations, gradients); with accumulation the gradients persist across microbatches
+and the peak holds both. FSDP's buffers in
 flight: all-gathered parameters of the two largest units (the one computing and the one prefetched)
 in the compute dtype, plus the unsharded gradient of the largest unit in the compute dtype and its
 copy in the reduce dtype; with reshard_after_forward 'never' every unit stays gathered after forward,
@@ -47,16 +53,19 @@ def block_activation_bytes(args, act_bytes: int) -> dict[str, int]:
     }
 
 
-def activation_bytes(args, tokens: int, act_bytes: int, wrapped: list[int], op_sac: bool) -> dict[str, int]:
+def activation_bytes(
+    args, tokens: int, act_bytes: int, wrapped: list[int], op_sac: bool, compiled_loss: bool = False
+) -> dict[str, int]:
     """Peak activation bytes of one microbatch of `tokens` tokens, by part (and 'total').
 
     wrapped: indices of the checkpointed blocks (see parallelize.checkpointed_blocks); op_sac: they
-    use selective 'op' checkpointing rather than full recomputation.
+    use selective 'op' checkpointing rather than full recomputation; compiled_loss: the loss is one
+    compiled kernel that keeps only the logits.
     """
     per_block = block_activation_bytes(args, act_bytes)
     kept = per_block["op"] if op_sac else per_block["full"]
     blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
-    loss = args.vocab_size * 12
+    loss = args.vocab_size * (act_bytes if compiled_loss else 12)
     recompute = per_block["none"] if wrapped else 0
     parts = {
         "blocks": tokens * blocks,

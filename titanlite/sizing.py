@@ -8,6 +8,8 @@ titanlite.memory_estimate). `python -m titanlite.dry_run` is its CLI.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -23,8 +25,35 @@ RESERVE_FRACTION = 0.10
 GIB = 1024**3
 
 
-def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[list[str], bool]:
-    """Build the sharded meta model over a fake process group and return (report lines, fits)."""
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank of one training job (rank 0 holds the largest shard), by part."""
+
+    params: int
+    grads: int
+    optimizer: int
+    fsdp_buffers: int
+    activations: dict[str, int]  # by part, with "total"
+    on_cpu: bool  # parameters, gradients and optimizer state offloaded to CPU memory
+    grads_with_activations: bool  # gradients persist across microbatches (accumulation): both at the peak
+    total_params: int  # model parameters (a tied weight once)
+    setup_lines: list[str]  # the sharding lines of the start-up log
+    ac_blocks: list[int]
+    compiled: int
+
+    @property
+    def gpu_total(self) -> int:
+        """Bytes on the GPU at the step's peak: buffers, activations and, unless offloaded, the sharded state
+        (gradients beside the activations only with accumulation; see titanlite.memory_estimate)."""
+        if self.on_cpu:
+            return self.fsdp_buffers + self.activations["total"]
+        act = self.activations["total"]
+        grads_and_act = self.grads + act if self.grads_with_activations else max(self.grads, act)
+        return self.params + self.optimizer + self.fsdp_buffers + grads_and_act
+
+
+def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
+    """Size one rank of the job: the sharded meta model over a fake process group, and the activation formulas."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = plan.dims.build_mesh("cpu")  # the same plan as on GPUs; the fake group does no communication
@@ -34,21 +63,44 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
         state = me.sharded_state_bytes(built.model)
         units = me.unit_numels(built.model)
         total_params = sum(p.numel() for p in built.model.parameters())
-        lines = describe(built.num_sharded, mesh, plan.dims)
+        setup_lines = describe(built.num_sharded, mesh, plan.dims)
     finally:
         dist.destroy_process_group()
-
-    t, args = cfg.training, plan.model_args
+    t, ac = cfg.training, cfg.activation_checkpoint
     pbytes = dtype_bytes(t.mixed_precision_param)
-    rbytes = dtype_bytes(t.mixed_precision_reduce)
-    ac = cfg.activation_checkpoint
-    tokens = t.local_batch_size * t.seq_len
     act = me.activation_bytes(
-        args, tokens, pbytes, built.ac_blocks, ac.mode == "selective" and ac.selective_ac_option == "op"
+        plan.model_args,
+        t.local_batch_size * t.seq_len,
+        pbytes,
+        built.ac_blocks,
+        ac.mode == "selective" and ac.selective_ac_option == "op",
+        compiled_loss=cfg.compile.enable and cfg.compile.backend == "inductor",
     )
-    buffers = me.fsdp_buffer_bytes(units, pbytes, rbytes, cfg.parallelism.fsdp_reshard_after_forward)
-    on_cpu = t.enable_cpu_offload
-    gpu_total = buffers + act["total"] + (0 if on_cpu else state.params + state.grads + state.optimizer)
+    buffers = me.fsdp_buffer_bytes(
+        units, pbytes, dtype_bytes(t.mixed_precision_reduce), cfg.parallelism.fsdp_reshard_after_forward
+    )
+    return MemoryEstimate(
+        params=state.params,
+        grads=state.grads,
+        optimizer=state.optimizer,
+        fsdp_buffers=buffers,
+        activations=act,
+        on_cpu=t.enable_cpu_offload,
+        grads_with_activations=plan.grad_accum > 1,
+        total_params=total_params,
+        setup_lines=setup_lines,
+        ac_blocks=built.ac_blocks,
+        compiled=built.compiled,
+    )
+
+
+def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[list[str], bool]:
+    """The dry run's report lines for this job, and whether it fits a GPU of gpu_mem_gib."""
+    est = estimate(cfg, plan, world_size)
+    t, args, ac = cfg.training, plan.model_args, cfg.activation_checkpoint
+    tokens = t.local_batch_size * t.seq_len
+    act, buffers, gpu_total, on_cpu = est.activations, est.fsdp_buffers, est.gpu_total, est.on_cpu
+    total_params, lines = est.total_params, est.setup_lines
     usable = gpu_mem_gib * (1 - RESERVE_FRACTION)
     fits = gpu_total / GIB <= usable
     where_state = "CPU (offloaded)" if on_cpu else "GPU"
@@ -68,18 +120,22 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             f"{args.n_layers} blocks; "
             f"per rank {t.local_batch_size} x {t.seq_len} tokens per microbatch, {plan.grad_accum} microbatch(es) "
             f"per step",
-            describe_ac_compile(ac, built.ac_blocks, built.compiled, args.n_layers),
+            describe_ac_compile(ac, est.ac_blocks, est.compiled, args.n_layers),
             "",
             "memory per rank (rank 0 holds the largest shard)                     GiB",
-            row("parameters", f"fp32 shards on {where_state}", state.params),
-            row("gradients", f"fp32 shards on {where_state}", state.grads),
-            row("optimizer", f"{cfg.optimizer.name}, 2 x fp32 per parameter on {where_state}", state.optimizer),
+            row("parameters", f"fp32 shards on {where_state}", est.params),
+            row("gradients", f"fp32 shards on {where_state}", est.grads),
+            row("optimizer", f"{cfg.optimizer.name}, 2 x fp32 per parameter on {where_state}", est.optimizer),
             row("FSDP buffers", f"gathered units + unsharded grads ({p_dtype})", buffers),
             row("activations", f"{tokens} tokens, {p_dtype}, {ac_label(ac)}", act["total"]),
         ]
         + [row("", f"  {k}", v) for k, v in act.items() if k != "total"]
         + [
-            row("total on GPU", "", gpu_total),
+            row(
+                "total on GPU",
+                "peak: " + ("gradients + activations" if est.grads_with_activations else "max(gradients, activations)"),
+                gpu_total,
+            ),
             f"  GPU memory    {gpu_mem_gib:.2f} GiB, {usable:.2f} usable ({RESERVE_FRACTION:.0%} kept for the CUDA "
             f"context, NCCL and fragmentation)",
             f"fits: {'yes' if fits else 'no'} ({gpu_total / GIB:.2f} of {usable:.2f} GiB usable)",
