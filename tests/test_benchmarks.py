@@ -1,5 +1,6 @@
 """Each benchmark script runs with tiny arguments and prints its table (no timing is asserted)."""
 
+import json
 import os
 import re
 import subprocess
@@ -91,3 +92,13 @@ def test_data_loader_benchmark_prints_the_ratio():
 def test_attention_benchmark_prints_the_ratio():
     out = _bench("attention.py", "--flavor", "tiny", "--seq-len", "64", "--batch", "2", "--reps", "2")
     assert re.search(r"block_causal / causal: [\d.]+ median", out), out
+
+
+def test_gpu_check_runs_every_section_at_a_tiny_size(tmp_path):
+    out = _bench("gpu_check.py", "--tiny", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert all("error" not in r for r in report.values()), out[-3000:]
+    assert report["e2e"]["resume_exact"] and report["compile"]["max_abs_diff"] < 1e-5
+    assert all(r["block_masks_per_forward"] == 1 and r["within_tolerance"] for r in report["flex"]["rows"])
+    assert report["mfu"]["rows"][0]["tokens_per_sec"] > 0 and report["suite"]["counts"]["passed"] == 1
+    assert "CPU: 1 passed, 0 skipped, 0 failed" in (tmp_path / "report.md").read_text()
