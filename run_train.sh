@@ -7,7 +7,8 @@
 # (NGPU unset: the visible GPUs, else 8); exit status 0 fits, 1 does not fit, 2 config error.
 #
 # Environment:
-#   CONFIG_FILE   TOML file (default train_configs/debug_model.toml); --config NAME wins over it
+#   CONFIG_FILE   TOML file, relative to where this is run, or a name in train_configs/ (default debug_model);
+#                 --config NAME|FILE wins over it
 #   NGPU          processes on this node (default: visible GPUs, else 2 CPU processes)
 #   NNODES        nodes (default 1); NODE_RANK is not needed: torchrun's rendezvous assigns ranks
 #   RDZV_ENDPOINT host:port of the rendezvous (multi-node; default localhost:0 for one node)
@@ -18,12 +19,15 @@
 # Stopping: SIGTERM, SIGINT (Ctrl-C), SIGHUP or SIGUSR1 make every worker save at the end of its step and
 # exit 0; this script then exits 0 too. A second Ctrl-C ends everything at once.
 set -euo pipefail
-cd "$(dirname "$0")"
+# Paths are the user's: a relative --config, CONFIG_FILE or dump_folder means the folder this is run from.
+# The checkout only has to be importable; a bare config name still finds its train_configs/.
+TITANLITE_HOME=$(cd "$(dirname "$0")" && pwd)
+export PYTHONPATH="$TITANLITE_HOME${PYTHONPATH:+:$PYTHONPATH}"
 
 die() { echo "run_train.sh: $*" >&2; exit 2; }
 whole() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+CONFIG_FILE=${CONFIG_FILE:-debug_model}
 args=()
 dry_run=0
 while [[ $# -gt 0 ]]; do
@@ -88,10 +92,9 @@ export TITANLITE_EXIT_STATUS_FILE
 trap 'rm -f "$TITANLITE_EXIT_STATUS_FILE"' EXIT
 
 # torchrun runs in a session of its own, so that a terminal's Ctrl-C reaches only this script, which passes
-# each signal on once; a second Ctrl-C kills the whole session.
-setsid=()
-command -v setsid > /dev/null && setsid=(setsid)
-${setsid[@]+"${setsid[@]}"} torchrun --nnodes="$NNODES" --nproc_per_node="$NGPU" \
+# each signal on once; a second Ctrl-C kills the whole session. It is killed with this script however the
+# script dies (kill -9 too), and its workers follow within a second.
+python -m titanlite.cli.own_session $$ torchrun --nnodes="$NNODES" --nproc_per_node="$NGPU" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" \
     --max-restarts="$MAX_RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
     -m titanlite.train --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"} &

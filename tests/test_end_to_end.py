@@ -12,10 +12,12 @@ pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(args, env_extra=None, timeout=300):
+def _run(args, env_extra=None, timeout=300, cwd=ROOT):
     # Two gloo ranks on the CPU, also where a GPU is visible (two ranks cannot share one GPU under NCCL).
     env = {**os.environ, "NGPU": "2", "HF_HUB_OFFLINE": "1", "TITANLITE_DEVICE": "cpu", **(env_extra or {})}
-    return subprocess.run(["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(ROOT / "run_train.sh"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_run_train_debug_config(tmp_path):
@@ -69,3 +71,38 @@ def test_run_train_bad_config_fails_fast_without_traceback(tmp_path):
     assert "data_parallel_replicate_degree = 3" in r.stderr and "world size 2" in r.stderr
     r = _run(["--config", "no_such_config"])
     assert r.returncode == 2 and "job.config_file = 'no_such_config'" in r.stderr
+
+
+def test_paths_are_the_users_not_the_checkouts(tmp_path):
+    """Run from a user's folder that has its own train_configs/debug_model.toml with a relative dump_folder."""
+    user = tmp_path / "user"
+    (user / "train_configs").mkdir(parents=True)
+    shipped = (ROOT / "train_configs" / "debug_model.toml").read_text()
+    assert 'dump_folder = "./outputs/debug"' in shipped
+    mine = shipped.replace('description = "debug Llama on the embedded dataset"', 'description = "my own debug run"')
+    assert "local_batch_size = 8\n" in mine
+    mine = mine.replace("local_batch_size = 8\n", "local_batch_size = 4\n")
+    (user / "train_configs" / "debug_model.toml").write_text(mine.replace("./outputs/debug", "./my_outputs"))
+    quick = [
+        "--training.steps",
+        "2",
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "32",
+        "--validation.enable",
+        "false",
+    ]
+    r = _run(["--config", "train_configs/debug_model.toml", *quick], cwd=user)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "my own debug run" in out  # the user's file, not the shipped one of the same name
+    assert list((user / "my_outputs" / "checkpoint").glob("step-2")), "a relative dump_folder is the user's"
+    # CONFIG_FILE is relative to where the launcher runs too; a bare name still finds the shipped config
+    dry = _run(["--dry-run"], env_extra={"CONFIG_FILE": "train_configs/debug_model.toml"}, cwd=user)
+    assert "per rank 4 x 256 tokens" in dry.stdout, dry.stdout + dry.stderr  # the user's local batch
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    bare = _run(["--config", "debug_model", "--dry-run"], cwd=elsewhere)
+    assert f"titanlite dry run: {ROOT / 'train_configs' / 'debug_model.toml'}" in bare.stdout, bare.stdout + bare.stderr
+    assert "per rank 8 x 256 tokens" in bare.stdout

@@ -191,3 +191,35 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
         ConfigError, match=r"NGPU=2 processes on this node, but 1 GPU\(s\) are visible.*TITANLITE_DEVICE=cpu"
     ):
         init_distributed()
+
+
+def _descendants(pid):
+    out = []
+    for child in _children(pid):
+        out += [child, *_descendants(child)]
+    return out
+
+
+@pytest.mark.slow
+def test_kill_9_of_run_train_sh_stops_the_whole_job(tmp_path):
+    proc, log, out = _run_until_step(
+        tmp_path, "killed", 5, extra=("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    )
+    job = []
+    try:
+        job = _descendants(proc.pid)  # torchrun (in a session of its own) and its 2 workers
+        assert len(job) >= 3, job
+        saved = {p.name for p in (tmp_path / "job" / "checkpoint").glob("step-*")}
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.time()
+        while any(_alive(p) for p in job) and time.time() - t0 < 20:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in job), "processes of the job outlived run_train.sh"
+        assert time.time() - t0 < 10
+    finally:
+        for p in job:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        out.close()
+    assert saved and saved <= {p.name for p in (tmp_path / "job" / "checkpoint").glob("step-*")}

@@ -20,12 +20,13 @@ def human_bytes(n: float) -> str:
 def degenerate_run_warnings(cfg, device_type: str, dataloader) -> list[str]:
     """Warnings for settings that train, but not as meant: too little data, endless warmup, fp16 on a CPU."""
     out, t = [], cfg.training
-    batch_tokens = t.global_batch_size * (t.seq_len + 1)
+    global_batch = dataloader.global_batch_size  # resolved by the plan (training.global_batch_size may be -1)
+    batch_tokens = global_batch * (t.seq_len + 1)
     epoch_tokens = getattr(getattr(dataloader, "loader", dataloader), "tokens_per_epoch", lambda: None)()
     if epoch_tokens is not None and epoch_tokens < batch_tokens:
         out.append(
             f"training.dataset holds {epoch_tokens:,} tokens, fewer than one global batch "
-            f"(training.global_batch_size {t.global_batch_size} x (training.seq_len {t.seq_len} + 1) = "
+            f"(training.global_batch_size {global_batch} x (training.seq_len {t.seq_len} + 1) = "
             f"{batch_tokens:,}): every step trains on the same tokens again and the loss will fall towards 0 "
             f"without learning anything general; use more data, or a smaller batch or seq_len"
         )
@@ -50,7 +51,9 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
     states = OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
     mem = sharded_state_bytes(model, states)
     fpt = flops_per_token(model_args, cfg.training.seq_len)
+    job = cfg.job.config_file or "no config file (defaults)"
     return [
+        f"Job: {job}" + (f": {cfg.job.description}" if cfg.job.description else ""),
         f"World size {dims.world_size}: data-parallel degree {dims.dp_degree} "
         f"(replicate {dims.dp_replicate} x shard {dims.dp_shard})",
         f"Model {cfg.model.name} {cfg.model.flavor}: {counts['total']:,} parameters "
