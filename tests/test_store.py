@@ -305,3 +305,25 @@ def test_the_builtin_datasets_need_no_datasets_package(tmp_path, monkeypatch):
         cfg = _cfg(tmp_path, name, *chat)
         step = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1).next_step()
         assert step.global_tokens > 0, name
+
+
+def test_global_counts_are_exact_and_per_rank_work_follows_the_local_batch(tmp_path, docs_jsonl, monkeypatch):
+    """Counted labels, real tokens and sequences per source of the global batch, without visiting it."""
+    from titanlite.data.sequences import Blend
+
+    located = []
+    real_locate = Blend.locate
+    monkeypatch.setattr(Blend, "locate", lambda self, k: located.append(k) or real_locate(self, k))
+    for dataset, extra in (("builtin_chat", ["--data.format", "chat"]), (f"builtin:3,{docs_jsonl}:1", [])):
+        cfg = _cfg(tmp_path, dataset, *extra, "--data.prefetch", "0", global_batch=64, local_batch=1)
+        loader = build_loader(cfg, ByteTokenizer(), "training", dp_rank=5, dp_degree=64)
+        # windows 0..N of the first source and their epoch boundaries: brute force over the global batch
+        for first in (0, 64 * 7, loader.layouts[0].num_windows * 3 - 20):
+            located.clear()
+            step = loader.step_at(first)
+            assert len(located) == 1, "a rank locates only its own sequences"
+            everything = [real_locate(loader.blend, k) for k in range(first, first + 64)]
+            assert step.global_valid_tokens == sum(loader.layouts[s].counted(j) for s, j in everything)
+            assert step.global_tokens == sum(loader.layouts[s].real_tokens(j) for s, j in everything)
+            per_source = [sum(1 for s, _ in everything if s == i) for i in range(len(loader.layouts))]
+            assert step.sequences_by_source == per_source

@@ -86,16 +86,20 @@ class StoreDataLoader:
         self._next = 0  # the next global sequence
 
     def step_at(self, first: int) -> Step:
-        """The step whose global batch starts at global sequence `first` (a pure function of `first`)."""
-        located = [self.blend.locate(k) for k in range(first, first + self.global_batch_size)]
-        mine = located[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
+        """The step whose global batch starts at global sequence `first` (a pure function of `first`).
+
+        A rank reads only its own sequences; the global batch's counts (sequences per source, counted
+        labels, real tokens) come in closed form from each source's range, so the work per rank follows
+        the local batch, never the dp degree.
+        """
+        mine_first = first + self.dp_rank * self.per_rank
+        mine = [self.blend.locate(k) for k in range(mine_first, mine_first + self.per_rank)]
         windows = [self.layouts[s].read(j) for s, j in mine]
-        counts = [0] * len(self.layouts)
-        valid = real = 0
-        for s, j in located:
-            counts[s] += 1
-            valid += self.layouts[s].counted(j)
-            real += self.layouts[s].real_tokens(j)
+        counts, valid, real = [], 0, 0
+        for layout, (j0, j1) in zip(self.layouts, self.blend.ranges(first, first + self.global_batch_size)):
+            counts.append(j1 - j0)
+            valid += layout.counted_in(j0, j1)
+            real += layout.real_tokens_in(j0, j1)
         local = sum(self.layouts[s].real_tokens(j) for s, j in mine)
         return Step(to_microbatches(windows, self.local_batch_size, self.pin_memory), valid, counts, local, real)
 

@@ -104,6 +104,14 @@ class WindowLayout:
         """Inputs of window `index` that are not padding: all of them."""
         return self.window - 1
 
+    def counted_in(self, first: int, stop: int) -> int:
+        """Counted labels of windows first..stop-1 (known in closed form)."""
+        return (stop - first) * (self.window - 1)
+
+    def real_tokens_in(self, first: int, stop: int) -> int:
+        """Non-padding inputs of windows first..stop-1."""
+        return (stop - first) * (self.window - 1)
+
 
 class PackedLayout:
     """Whole documents packed into padded windows (see the module doc); `pad_id` fills the rest."""
@@ -124,6 +132,7 @@ class PackedLayout:
         self._filled = cum[self.bounds[1:]] - cum[self.bounds[:-1]]
         self.num_windows = len(self.bounds) - 1
         self._perm: tuple[int, np.ndarray] | None = None
+        self._sums: tuple[int, np.ndarray, np.ndarray] | None = None  # one epoch's prefix sums (counted, real)
 
     def _pack(self, lengths: np.ndarray) -> np.ndarray:
         """Greedy: documents in order go into the current window while they fit; bounds into self.order."""
@@ -181,6 +190,36 @@ class PackedLayout:
         """Inputs of window `index` that are not padding."""
         return min(int(self._filled[self._window_of(index)]), self.window - 1)
 
+    def counted_in(self, first: int, stop: int) -> int:
+        """Counted labels of windows first..stop-1: O(1) from the epoch's prefix sums."""
+        return self._sum_in(first, stop, 0)
+
+    def real_tokens_in(self, first: int, stop: int) -> int:
+        """Non-padding inputs of windows first..stop-1."""
+        return self._sum_in(first, stop, 1)
+
+    def _sum_in(self, first: int, stop: int, which: int) -> int:
+        total = 0
+        while first < stop:
+            epoch, i = divmod(first, self.num_windows)
+            end = min(stop - epoch * self.num_windows, self.num_windows)
+            total += int(self._epoch_sums(epoch)[which][end] - self._epoch_sums(epoch)[which][i])
+            first = epoch * self.num_windows + end
+        return total
+
+    def _epoch_sums(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Prefix sums of counted labels and real tokens over the windows in epoch `epoch`'s order."""
+        if self._sums is None or self._sums[0] != epoch:
+            order = (
+                _permutation(self.num_windows, self.seed, epoch)
+                if self.seed is not None
+                else np.arange(self.num_windows)
+            )
+            counted = np.concatenate([[0], np.cumsum(self._counted[order])])
+            real = np.concatenate([[0], np.cumsum(np.minimum(self._filled[order], self.window - 1))])
+            self._sums = (epoch, counted, real)
+        return self._sums[1], self._sums[2]
+
 
 class Blend:
     """Global sequence k -> (source, that source's sequence j), in proportion to the weights.
@@ -214,3 +253,13 @@ class Blend:
         q, r = divmod(k, self.period)
         s = int(self.assign[r])
         return s, q * int(self.quota[s]) + int(self.prefix[r, s])
+
+    def ranges(self, first: int, stop: int) -> list[tuple[int, int]]:
+        """Per source, the (first, stop) of its own sequence indices among global sequences first..stop-1:
+        they are consecutive in each source, so this is O(sources) whatever the batch."""
+        return [(int(a), int(b)) for a, b in zip(self._before(first), self._before(stop))]
+
+    def _before(self, k: int) -> np.ndarray:
+        """How many of the global sequences 0..k-1 each source has."""
+        q, r = divmod(k, self.period)
+        return q * self.quota + self.prefix[r]
