@@ -475,3 +475,22 @@ def test_sft_loss_falls_and_samples_follow_the_template(tmp_path):
     assert losses[80] < losses[20] / 4, losses  # the loss on the replies falls clearly
     for reply, stopped in replies:  # a reply in the trained form, ended by EOS, with no template markers in it
         assert stopped and reply.startswith("The capital of ") and reply.endswith(".") and "###" not in reply, replies
+
+
+def _attention_log_line(argv):
+    logs = capture_logs()
+    make_trainer(argv)
+    return [line for line in logs if line.startswith("Attention: ")]
+
+
+@pytest.mark.slow
+def test_the_start_up_log_names_the_attention_that_runs(tmp_path):
+    from titanlite.models.rope_attention import describe_attention
+
+    assert describe_attention("block_causal", "auto", "cuda") == "block_causal via FlexAttention"
+    assert describe_attention("block_causal", "auto", "cpu") == "block_causal via masked SDPA"
+    assert describe_attention("block_causal", "flex", "cpu") == "block_causal via FlexAttention"
+    assert describe_attention("causal", "auto", "cuda") == "causal (SDPA)"
+    block = run_distributed(_attention_log_line, 1, tiny_argv(tmp_path / "b", "--model.attention", "block_causal"))[0]
+    causal = run_distributed(_attention_log_line, 1, tiny_argv(tmp_path / "c"))[0]
+    assert block == ["Attention: block_causal via masked SDPA"] and causal == ["Attention: causal (SDPA)"]

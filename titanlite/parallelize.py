@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from titanlite.compat import cpp_compiler_error, has_triton
 from titanlite.dtypes import TORCH_DTYPES
 
 logger = logging.getLogger("titanlite")
@@ -59,11 +60,6 @@ def apply_fsdp(
         fully_shard(target, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=policy[-1])
     return len(groups)
-
-
-def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    """Every FSDP-managed module of the model, the root first."""
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def describe(num_groups: int, mesh: DeviceMesh, dims) -> list[str]:
@@ -191,26 +187,18 @@ def compile_problem(compile_cfg, device_type: str) -> str | None:
     if not compile_cfg.enable or compile_cfg.backend != "inductor":
         return None
     if device_type == "cpu":
-        try:
-            from torch._inductor.cpp_builder import (
-                get_cpp_compiler,
-            )  # lazy: inductor is heavy, needed with compile only
-
-            get_cpp_compiler()
-        except Exception as e:  # inductor raises its own InvalidCxxCompiler
+        error = cpp_compiler_error()
+        if error is not None:
             return (
                 f"compile.enable = true with compile.backend = 'inductor' needs a C++ compiler on CPU and none "
-                f"was found ({type(e).__name__}); install g++ or set CXX, use compile.backend = 'aot_eager', "
+                f"was found ({type(error).__name__}); install g++ or set CXX, use compile.backend = 'aot_eager', "
                 f"or set compile.enable = false"
             )
-    elif device_type == "cuda":
-        from torch.utils._triton import has_triton  # lazy: as above
-
-        if not has_triton():
-            return (
-                "compile.enable = true with compile.backend = 'inductor' needs triton on GPUs and it is not "
-                "installed; pip install triton, or set compile.enable = false"
-            )
+    elif device_type == "cuda" and not has_triton():
+        return (
+            "compile.enable = true with compile.backend = 'inductor' needs triton on GPUs and it is not "
+            "installed; pip install triton, or set compile.enable = false"
+        )
     return None
 
 

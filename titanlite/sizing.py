@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titanlite import memory_estimate as me
+from titanlite.compat import fake_store
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model
 from titanlite.optim import build_lr_scheduler, build_optimizer
@@ -54,7 +54,7 @@ class MemoryEstimate:
 
 def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     """Size one rank of the job: the sharded meta model over a fake process group, and the activation formulas."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         mesh = plan.dims.build_mesh("cpu")  # the same plan as on GPUs; the fake group does no communication
         built = build_model(cfg, plan.model_args, mesh)

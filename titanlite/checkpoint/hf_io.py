@@ -29,6 +29,7 @@ from titanlite.checkpoint.hf_adapter import (
     rope_heads,
     to_hf_name,
 )
+from titanlite.compat import consolidate_hf_safetensors
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import config_from_args, generation_config
 from titanlite.models.llama_args import LlamaArgs
@@ -188,7 +189,6 @@ def save_hf_sharded(
 ) -> None:
     """Write the model as a HF folder from every rank of the job (call on all ranks)."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter  # needs safetensors: checked below
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     _safetensors()
@@ -211,7 +211,7 @@ def save_hf_sharded(
         dist.barrier()
     writer = HuggingFaceStorageWriter(str(sharded), fqn_to_index_mapping=mapping, save_distributed=True)
     dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
-    consolidate_safetensors_files_on_every_rank(str(sharded), str(out), mapping)
+    consolidate_hf_safetensors()(str(sharded), str(out), mapping)
     if rank == 0:
         shutil.rmtree(sharded)
         write_metadata(out, args, str(dtype).removeprefix("torch."), tokenizer)

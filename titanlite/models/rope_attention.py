@@ -16,6 +16,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from titanlite.compat import compiled_create_block_mask
 from titanlite.models.llama_args import RopeScaling
 
 
@@ -71,17 +72,31 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def block_causal_kernel(kernel: str, device_type: str) -> str:
+    """'flex' or 'sdpa': the kernel block-causal attention runs on this device (kernel: auto, flex or sdpa)."""
+    return "flex" if kernel == "flex" or (kernel == "auto" and device_type == "cuda") else "sdpa"
+
+
+def describe_attention(attention: str, kernel: str, device_type: str) -> str:
+    """What attention runs, as the start-up log says it: 'causal (SDPA)' or 'block_causal via ...'."""
+    if attention != "block_causal":
+        return "causal (SDPA)"
+    return "block_causal via " + (
+        "FlexAttention" if block_causal_kernel(kernel, device_type) == "flex" else "masked SDPA"
+    )
+
+
 def block_causal_mask(positions: torch.Tensor, kernel: str = "auto"):
     """The block-causal mask of a batch, built once and shared by every layer: a FlexAttention BlockMask
     (CUDA, or kernel='flex') or a boolean SDPA mask (batch, 1, seq, seq)."""
     docs = document_ids(positions)
     b, s = docs.shape
-    if kernel == "flex" or (kernel == "auto" and positions.device.type == "cuda"):
-        from torch.nn.attention.flex_attention import create_block_mask  # lazy: see _compiled_flex
-
-        return create_block_mask(
-            _document_mask_mod(docs), b, None, s, s, device=positions.device, _compile=positions.device.type == "cuda"
-        )
+    if block_causal_kernel(kernel, positions.device.type) == "flex":
+        if positions.device.type == "cuda":
+            create_block_mask = compiled_create_block_mask()
+        else:  # eager on the CPU, where FlexAttention is only checked against SDPA
+            from torch.nn.attention.flex_attention import create_block_mask  # lazy: see _compiled_flex
+        return create_block_mask(_document_mask_mod(docs), b, None, s, s, device=positions.device)
     causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
     return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
 

@@ -1,0 +1,73 @@
+"""The torch versions titanlite admits (2.11 to 2.15), and every private or version-dependent torch API it uses.
+
+Nothing else in titanlite imports a private torch module: when a torch release moves one, this is the file
+to change. Tested: torch 2.13 (CPU) runs the whole suite in CI; torch 2.11 (CUDA 13, one H200) ran the GPU
+check (docs/performance.md). 2.12, 2.14 and 2.15 are admitted but not tested here.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+SUPPORTED = ((2, 11), (2, 16))  # [lowest, past the highest) minor versions, as pyproject.toml admits
+TESTED = {"2.13": "the whole test suite on CPU (CI)", "2.11": "the GPU check on one H200 (CUDA 13)"}
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def version_warning() -> str | None:
+    """A warning when the installed torch is outside the admitted range (a source checkout bypasses pip)."""
+    low, high = SUPPORTED
+    if low <= torch_version() < high:
+        return None
+    return (
+        f"torch {torch.__version__} is outside the versions titanlite admits (>= {low[0]}.{low[1]}, "
+        f"< {high[0]}.{high[1]}); it may work, but nothing here was tested with it"
+    )
+
+
+def fake_store():
+    """A store for torch's fake process group (the dry run sizes a job without real ranks)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # private: kept here
+
+    return FakeStore()
+
+
+def cpp_compiler_error() -> Exception | None:
+    """The error inductor raises when it finds no C++ compiler (it needs one on CPU), or None."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler  # private; lazy: inductor is heavy
+
+        get_cpp_compiler()
+    except Exception as e:  # inductor raises its own InvalidCxxCompiler
+        return e
+    return None
+
+
+def has_triton() -> bool:
+    """Whether triton (inductor's GPU code generator) is installed and usable."""
+    from torch.utils._triton import has_triton as _has_triton  # private; lazy: as above
+
+    return _has_triton()
+
+
+@lru_cache(maxsize=1)
+def compiled_create_block_mask():
+    """FlexAttention's create_block_mask under torch.compile, as torch asks since 2.11 (the `_compile=True`
+    flag is deprecated there): the mask is built on the GPU without materialising a seq x seq tensor."""
+    from torch.nn.attention.flex_attention import create_block_mask  # lazy: pulls in the compiler
+
+    return torch.compile(create_block_mask)
+
+
+def consolidate_hf_safetensors():
+    """DCP's consolidation of HF safetensors shards on every rank (private in DCP)."""
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+
+    return consolidate_safetensors_files_on_every_rank
