@@ -174,3 +174,40 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world_size, free_port(), fn, args, kwargs, out_dir), nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def wandb_history(run_folder) -> tuple[str, list[dict], dict]:
+    """(run id, history rows, config) of an offline W&B run folder, read from its .wandb file.
+
+    The file is W&B's 7-byte header, then LevelDB's log format (32 KiB blocks of records with a 7-byte
+    header: crc, length, type FULL/FIRST/MIDDLE/LAST) holding protobuf `Record`s.
+    """
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = Path(run_folder).glob("run-*.wandb")
+    data, pos, records, pending = path.read_bytes(), 7, [], b""
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if room < 7 or (kind == 0 and length == 0):
+            pos += room
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(pending)
+    run_id, rows, config = None, [], {}
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run_id = record.run.run_id
+            config.update({item.key: item.value_json for item in record.run.config.update})
+        elif kind == "config":
+            config.update({item.key: item.value_json for item in record.config.update})
+        elif kind == "history":
+            rows.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
+    return run_id, rows, config

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_distributed, tiny_argv
+from helpers import run_distributed, tiny_argv, wandb_history
 
 # ----------------------------------------------------------------------------- FLOPs and peak table
 
@@ -369,3 +369,42 @@ def test_sharded_run_metrics_tensorboard_validation_profiling(tmp_path):
         assert by_step.get(4) and by_step.get(5) and by_step.get(8), by_step
         quiet_steps = set(range(1, 9)) - {4, 8} - {5}
         assert not {s: by_step[s] for s in quiet_steps if s in by_step}, by_step
+
+
+def _train(argv):
+    from titanlite.config import load
+    from titanlite.trainer import Trainer
+
+    return Trainer(load(argv)).train()
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_holds_the_loss_history_and_a_resumed_run_appends(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    job = tmp_path / "job"
+    argv = tiny_argv(job, "--metrics.enable_wandb", "--metrics.wandb_run_name", "tiny", "--checkpoint.enable")
+    first = run_distributed(_train, 1, argv + ["--training.steps", "3"])[0]
+    second = run_distributed(_train, 1, argv + ["--training.steps", "6"])[0]  # resumes at step 3
+    runs = sorted((job / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2, runs
+    (id_a, rows_a, config), (id_b, rows_b, _) = wandb_history(runs[0]), wandb_history(runs[1])
+    assert id_a == id_b == (job / "wandb_run_id").read_text().strip()  # the same W&B run, continued
+    for rows, losses in ((rows_a, first), (rows_b, second)):
+        logged = {int(r["_step"]): float(r["loss"]) for r in rows if "loss" in r}
+        assert logged.keys() == losses.keys() and all(abs(logged[k] - losses[k]) < 1e-6 for k in losses)
+        assert all("tokens_per_sec" in r and "grad_norm" in r for r in rows if "loss" in r)  # TensorBoard's tags
+    assert sorted(second) == [4, 5, 6]
+    assert json.loads(config["training"])["local_batch_size"] == 8 and json.loads(config["metrics"])["enable_wandb"]
+
+
+def test_wandb_without_the_package_is_a_config_error(tmp_path, monkeypatch):
+    import sys
+
+    from titanlite.config import ConfigError, load
+    from titanlite.plan import validate_for_world
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match=r"metrics.enable_wandb = true needs the wandb package.*titanlite\[wandb\]"):
+        validate_for_world(load(tiny_argv(tmp_path, "--metrics.enable_wandb")), 1)

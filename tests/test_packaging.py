@@ -1,5 +1,5 @@
-"""Packaging and layout: the wheel ships the configs and trains from an empty folder; the README's layout
-section lists every module; imports run one way."""
+"""Packaging and layout: the wheel ships the configs and trains from an empty folder; the layout in
+docs/architecture.md lists every module; imports run one way."""
 
 import os
 import re
@@ -87,9 +87,9 @@ def test_wheel_installs_and_trains_the_debug_config_from_an_empty_folder(tmp_pat
     assert str(env_dir) in where.stdout and "debug_model.toml" in where.stdout, where.stdout + where.stderr
 
 
-def test_readme_layout_lists_every_module():
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout") :]
+def test_docs_layout_lists_every_module():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    layout = page[page.index("## Layout") :]
     for path in sorted((ROOT / "titanlite").rglob("*.py")):
         if path.name != "__init__.py":
             assert path.relative_to(ROOT).as_posix() in layout, path
@@ -140,3 +140,21 @@ def test_imports_run_one_way():
                 if _layer(target) > _layer(module):
                     problems.append(f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})")
     assert not problems, "\n".join(problems)
+
+
+def test_torch_range_is_the_one_compat_admits(monkeypatch):
+    """pyproject.toml and titanlite/compat.py name the same torch versions; outside them the run warns."""
+    import torch
+
+    from titanlite import compat
+
+    (low_major, low_minor), (high_major, high_minor) = compat.SUPPORTED
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"torch>={low_major}.{low_minor},<{high_major}.{high_minor}"' in pyproject
+    assert compat.version_warning() is None  # the torch this suite runs on is admitted
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cu128")
+    assert "torch 2.10.1+cu128 is outside the versions titanlite admits (>= 2.11, < 2.16)" in compat.version_warning()
+    monkeypatch.setattr(torch, "__version__", "2.16.0")
+    assert compat.version_warning() is not None
+    monkeypatch.setattr(torch, "__version__", "2.15.2")
+    assert compat.version_warning() is None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from titanlite.flops import peak_flops
+from titanlite.wandb_tracker import WandbRun
 
 logger = logging.getLogger("titanlite")
 
@@ -184,6 +185,8 @@ class MetricsLogger:
         self.start()
         self.writer = None
         self.tb_dir = None
+        self.wandb = None
+        self.metrics_cfg, self.dump_folder = metrics_cfg, dump_folder
         if metrics_cfg.enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is slow to import, often unused
 
@@ -196,6 +199,13 @@ class MetricsLogger:
         """Start the clocks (elapsed, ETA, tokens/s): call when the training loop begins."""
         self.throughput = Throughput()
         self.timer = StepTimer(self.total_steps)
+
+    def open_wandb(self, config: dict, resumed: bool) -> None:
+        """Start (or, resumed, continue) the W&B run on rank 0 when metrics.enable_wandb is set."""
+        if getattr(self.metrics_cfg, "enable_wandb", False) and self.rank == 0 and self.wandb is None:
+            self.wandb = WandbRun(self.metrics_cfg, self.dump_folder, config, resumed)
+            how = "continued" if resumed else "new"
+            logger.info(f"W&B: run {self.wandb.run.id} ({how}), files under {self.dump_folder}/wandb")
 
     def step_done(self, step: int, local_tokens: int) -> None:
         """Count a finished step's tokens on this rank (host-side only, no device access)."""
@@ -231,6 +241,8 @@ class MetricsLogger:
         if self.writer is not None:
             for tag, value in m.scalars().items():
                 self.writer.add_scalar(tag, value, m.step)
+        if self.wandb is not None:
+            self.wandb.log(m.scalars(), m.step)
         return line
 
     def log_validation(self, step: int, loss: float, perplexity: float, tokens: int, seconds: float) -> str:
@@ -243,9 +255,14 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_scalar("validation/loss", loss, step)
             self.writer.add_scalar("validation/perplexity", perplexity, step)
+        if self.wandb is not None:
+            self.wandb.log({"validation/loss": loss, "validation/perplexity": perplexity}, step)
         return line
 
     def close(self) -> None:
-        """Flush and close TensorBoard."""
+        """Flush and close TensorBoard and W&B."""
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None

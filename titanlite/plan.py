@@ -26,34 +26,35 @@ from titanlite.models.registry import model_args, model_class
 from titanlite.parallel_dims import ParallelDims
 from titanlite.parallelize import compile_problem
 from titanlite.run_control import check_lock_free
+from titanlite.wandb_tracker import wandb_problem
 
 
-def accumulation_steps(cfg: JobConfig, dp_degree: int) -> int:
-    """Microbatches per optimizer step, from the global and local batch sizes and the dp degree."""
+def batch_plan(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
+    """(global batch size, microbatches per optimizer step) at this dp degree: training.global_batch_size
+    (-1: one microbatch per rank) over training.local_batch_size x dp degree. The only place either is derived."""
     t = cfg.training
     per_pass = t.local_batch_size * dp_degree
-    if t.global_batch_size % per_pass:
+    global_batch = per_pass if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_pass:
         raise ConfigError(
             f"training.global_batch_size = {t.global_batch_size} is not a multiple of training.local_batch_size "
             f"= {t.local_batch_size} x data-parallel degree {dp_degree} = {per_pass}; "
             f"valid: any multiple of {per_pass}"
         )
-    return t.global_batch_size // per_pass
+    return global_batch, global_batch // per_pass
 
 
-def resolve(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """Checks that need the world size; fills training.global_batch_size = -1."""
+def resolve(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, int, int]:
+    """Checks that need the world size: (dims, global batch size, microbatches per step); cfg is not changed."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    if cfg.training.global_batch_size == -1:
-        cfg.training.global_batch_size = cfg.training.local_batch_size * dims.dp_degree
-    accumulation_steps(cfg, dims.dp_degree)
+    global_batch, grad_accum = batch_plan(cfg, dims.dp_degree)
     raf = cfg.parallelism.fsdp_reshard_after_forward
     if raf.isdigit() and dims.dp_shard % int(raf):
         raise ConfigError(
             f"parallelism.fsdp_reshard_after_forward = {raf} must divide the shard degree "
             f"{dims.dp_shard}; valid: default, always, never or a divisor of {dims.dp_shard}"
         )
-    return dims
+    return dims, global_batch, grad_accum
 
 
 def model_shapes(cfg: JobConfig, args: LlamaArgs) -> dict[str, tuple]:
@@ -68,7 +69,8 @@ class RunPlan:
     """What a configuration resolves to for one world size, built before any process group."""
 
     dims: ParallelDims
-    grad_accum: int
+    global_batch_size: int  # sequences per optimizer step (training.global_batch_size, -1 resolved)
+    grad_accum: int  # microbatches per optimizer step on each rank
     tokenizer: object
     model_args: LlamaArgs
 
@@ -79,7 +81,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     device_type is the device the run computes on; None (the dry run, on another machine) skips the
     checks of this machine's software (a compiler for torch.compile) and of the job's folders.
     """
-    dims = resolve(cfg, world_size)
+    dims, global_batch, grad_accum = resolve(cfg, world_size)
     if device_type is not None:
         preflight(cfg)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
@@ -93,7 +95,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
             f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} checkpoints no "
             f"block of the {args.n_layers}; valid: 'op' or an integer from 1 to {args.n_layers}"
         )
-    problem = compile_problem(cfg.compile, device_type) if device_type else None
+    problem = (compile_problem(cfg.compile, device_type) if device_type else None) or wandb_problem(cfg.metrics)
     if problem:
         raise ConfigError(problem)
     check_data(cfg, tokenizer)
@@ -101,4 +103,4 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
         if int(os.environ.get("RANK", "0")) == 0:  # rank 0 holds the lock; peers would see their own job's
             check_lock_free(Path(cfg.job.dump_folder))  # another job on the same dump folder
         check_resume(cfg, args, model_shapes(cfg, args))
-    return RunPlan(dims=dims, grad_accum=accumulation_steps(cfg, dims.dp_degree), tokenizer=tokenizer, model_args=args)
+    return RunPlan(dims, global_batch, grad_accum, tokenizer, args)

@@ -3,6 +3,7 @@ the training loop and nothing else."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from titanlite.checkpoint.catalog import checkpoint_folder
 from titanlite.checkpoint.hf_io import save_hf_sharded
 from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.compat import version_warning
 from titanlite.config import JobConfig, gradient_sync_mode
 from titanlite.data.build import build_loader
 from titanlite.distributed import init_distributed, pick_device, set_seed, world_size_from_env
@@ -24,6 +26,7 @@ from titanlite.flops import flops_per_token
 from titanlite.loss import counted_labels, microbatch_loss, training_loss
 from titanlite.metrics import MetricsLogger
 from titanlite.model_builder import build_model
+from titanlite.models.rope_attention import describe_attention
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallelize import describe, describe_ac_compile, gradient_sync_plan, microbatch_sync
 from titanlite.plan import validate_for_world
@@ -54,16 +57,24 @@ class Trainer:
             cfg, world_size_from_env(), device_type=pick_device(int(os.environ.get("LOCAL_RANK", "0"))).type
         )
         self.dims, self.grad_accum, self.tokenizer = plan.dims, plan.grad_accum, plan.tokenizer
+        self.global_batch_size = plan.global_batch_size
         self.model_args = plan.model_args
 
         self.env = init_distributed()
+        if self.env.rank == 0 and version_warning():
+            logger.warning(version_warning())
         # One job per dump folder; a worker whose launcher died exits instead of training on.
         self.lock, self.watchdog = guard_run(cfg.job.dump_folder, self.env.rank, self.env.world_size)
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.device = self.env.device
         self.mesh = self.dims.build_mesh(self.device.type)
         # Data: every dp rank reads its own sequences (the ranks build a missing token store together).
-        loader_args = dict(dp_rank=self.env.rank, dp_degree=self.dims.dp_degree, pin_memory=self.device.type == "cuda")
+        loader_args = dict(
+            dp_rank=self.env.rank,
+            dp_degree=self.dims.dp_degree,
+            global_batch_size=self.global_batch_size,
+            pin_memory=self.device.type == "cuda",
+        )
         self.dataloader = build_loader(cfg, self.tokenizer, "training", **loader_args)
         self.validator = None
         if cfg.validation.enable:
@@ -84,6 +95,8 @@ class Trainer:
         logger.info(
             describe_ac_compile(cfg.activation_checkpoint, built.ac_blocks, built.compiled, self.model_args.n_layers)
         )
+        kernel = getattr(self.model, "attention_kernel", "auto")
+        logger.info(f"Attention: {describe_attention(self.model_args.attention, kernel, self.device.type)}")
         self.gradient_sync, sync_line = gradient_sync_plan(
             gradient_sync_mode(cfg.parallelism), self.dims, self.grad_accum
         )
@@ -163,11 +176,12 @@ class Trainer:
                 f"(raise training.steps to go on, or use a new job.dump_folder to start over)"
             )
         logger.info(
-            f"Training {cfg.training.steps} steps: global batch {cfg.training.global_batch_size} x "
+            f"Training {cfg.training.steps} steps: global batch {self.global_batch_size} x "
             f"seq {cfg.training.seq_len}, {self.grad_accum} microbatch(es) of {cfg.training.local_batch_size}"
             f" per rank, dp degree {self.dims.dp_degree}"
         )
         profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.step).start()
+        self.metrics.open_wandb(dataclasses.asdict(cfg), resumed=self.step > 0)
         self.metrics.start()
         try:
             while self.step < cfg.training.steps:

@@ -284,6 +284,14 @@ class Metrics:
     log_freq: int = _f(10, "print (and record) metrics every this many steps", _positive, _POSITIVE)
     enable_tensorboard: bool = _f(False, "write TensorBoard scalars under <dump_folder>/<save_tb_folder>")
     save_tb_folder: str = _f("tb", "TensorBoard folder under job.dump_folder")
+    enable_wandb: bool = _f(
+        False,
+        "log the same scalars and the resolved config to Weights & Biases (rank 0; needs the wandb extra; "
+        "WANDB_* variables apply, WANDB_MODE=offline needs no network); a resumed job continues its W&B run",
+    )
+    wandb_project: str = _f("", "W&B project; '' = WANDB_PROJECT, else 'titanlite'")
+    wandb_entity: str = _f("", "W&B entity (user or team); '' = WANDB_ENTITY, else your default entity")
+    wandb_run_name: str = _f("", "W&B run name; '' = WANDB_NAME, else one W&B picks")
     peak_flops: float = _f(
         0.0,
         "peak FLOP/s of one device for MFU; 0 = look the GPU model up (n/a on CPU)",
@@ -366,21 +374,8 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {
-    "job": Job,
-    "model": Model,
-    "training": Training,
-    "data": Data,
-    "optimizer": Optimizer,
-    "lr_scheduler": LRScheduler,
-    "parallelism": Parallelism,
-    "checkpoint": Checkpoint,
-    "metrics": Metrics,
-    "activation_checkpoint": ActivationCheckpoint,
-    "compile": Compile,
-    "validation": Validation,
-    "profiling": Profiling,
-}
+# Section name -> its dataclass, read off JobConfig (declared once, above).
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
 
 
 def fields_of(section_cls) -> dict[str, dataclasses.Field]:
