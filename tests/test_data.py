@@ -202,7 +202,6 @@ def test_empty_dataset(tmp_path):
 def test_packing_shapes_shift_and_specials(tiny_jsonl):
     tok = ByteTokenizer()
     loader = PackedDataLoader(tok, str(tiny_jsonl), 16, 8, 2, 1, 2)
-    assert loader.accumulation_steps == 2
     steps = [loader.next_step() for _ in range(3)]
     for step in steps:
         assert len(step.microbatches) == 2
@@ -219,13 +218,18 @@ def test_packing_shapes_shift_and_specials(tiny_jsonl):
     assert torch.equal(tokens.view(3, 4, 17), ref)
 
 
-def test_batch_divisibility_error():
+def test_batch_divisibility_error_and_the_plan_resolves_the_batch_once():
     from titanlite.config import load
-    from titanlite.plan import accumulation_steps
+    from titanlite.plan import batch_plan, validate_for_world
 
     cfg = load(["--training.global_batch_size", "6", "--training.local_batch_size", "2"])
     with pytest.raises(ValueError, match=r"training\.global_batch_size = 6 .*training\.local_batch_size = 2 .*= 4"):
-        accumulation_steps(cfg, 2)
+        batch_plan(cfg, 2)
+    assert batch_plan(load(["--training.global_batch_size", "16", "--training.local_batch_size", "2"]), 2) == (16, 4)
+    auto = load(["--training.global_batch_size", "-1", "--training.local_batch_size", "2"])
+    plan = validate_for_world(auto, 4, device_type=None)
+    assert (plan.global_batch_size, plan.grad_accum) == (8, 1)
+    assert auto.training.global_batch_size == -1  # the plan returns the value; the config stays as written
 
 
 @pytest.mark.parametrize("dataset", ["builtin", "tiny"])

@@ -31,8 +31,6 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_HF_TOP = {v: k for k, v in _TOP_NAMES.items()}
 
 
 def to_hf_name(name: str) -> str:
@@ -43,16 +41,6 @@ def to_hf_name(name: str) -> str:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     raise KeyError(f"no HuggingFace name for parameter {name!r}")
-
-
-def from_hf_name(name: str) -> str | None:
-    """HF name -> titanlite name, or None for a name titanlite has no parameter for."""
-    if name in _HF_TOP:
-        return _HF_TOP[name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _HF_LAYER:
-        return f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
-    return None
 
 
 def hf_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:

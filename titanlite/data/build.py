@@ -290,13 +290,31 @@ def _build(spec, encoder, final, key, tag, rank, world, group) -> TokenStore:
     return TokenStore(final)
 
 
-def build_loader(cfg: JobConfig, tokenizer, which: str, *, dp_rank: int, dp_degree: int, pin_memory: bool = False):
-    """The training ('training') or held-out ('validation') data loader of this rank."""
+def build_loader(
+    cfg: JobConfig,
+    tokenizer,
+    which: str,
+    *,
+    dp_rank: int,
+    dp_degree: int,
+    global_batch_size: int | None = None,
+    pin_memory: bool = False,
+):
+    """The training ('training') or held-out ('validation') data loader of this rank.
+
+    global_batch_size: the plan's (titanlite.plan resolves training.global_batch_size = -1); None takes
+    training.global_batch_size as configured.
+    """
     t = cfg.training
+    global_batch_size = t.global_batch_size if global_batch_size is None else global_batch_size
+    if global_batch_size < 1:
+        raise ValueError(
+            f"build_loader needs the resolved global batch size (plan.global_batch_size), not {global_batch_size}"
+        )
     specs = training_specs(cfg) if which == "training" else validation_specs(cfg)
     shape = dict(
         seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
+        global_batch_size=global_batch_size,
         local_batch_size=t.local_batch_size,
         dp_rank=dp_rank,
         dp_degree=dp_degree,

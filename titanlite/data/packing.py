@@ -126,7 +126,6 @@ class PackedDataLoader:
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.accumulation_steps = global_batch_size // (local_batch_size * dp_degree)
         if not isinstance(dataset, DatasetSpec):
             dataset = DatasetSpec(dataset, split, text_field, config_name)
         self._source = DocumentSource(dataset)
@@ -142,7 +141,7 @@ class PackedDataLoader:
         tokens, starts = self._stream.take(self.global_batch_size * window)
         tokens, starts = tokens.view(self.global_batch_size, window), starts.view(self.global_batch_size, window)
         self._sequence_index += self.global_batch_size
-        per_rank = self.local_batch_size * self.accumulation_steps
+        per_rank = self.global_batch_size // self.dp_degree
         lo, hi = self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank
         windows = [
             Window(t.numpy(), positions_from_starts(s.numpy()), np.ones(window, dtype=np.uint8))
