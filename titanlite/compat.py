@@ -71,3 +71,10 @@ def consolidate_hf_safetensors():
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 
     return consolidate_safetensors_files_on_every_rank
+
+
+def set_nested_element(root, path, value) -> None:
+    """Put `value` at `path` of a nested state dict (DCP's own helper for flattened state dicts; private)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from titanlite.checkpoint.catalog import newest_usable, step_folders
 from titanlite.checkpoint.hf_io import load_hf_weights
+from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, safe_dcp_load
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
@@ -64,7 +64,9 @@ def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not dist.is_initialized())
+            safe_dcp_load(state, checkpoint, no_dist=not dist.is_initialized())
+    except UnsafeCheckpointError:
+        raise
     except (Exception, CheckpointException) as e:  # shape or key mismatches, as long nested errors
         args = model.args
         raise ConfigError(

@@ -12,8 +12,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
-
+from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, load_metadata
 from titanlite.config import CHECKPOINT_PARTS, JobConfig
 from titanlite.errors import ConfigError
 
@@ -53,7 +52,9 @@ def read_metadata(path: Path):
     if not (path / ".metadata").is_file():
         raise ValueError("it has no .metadata file (an incomplete or partial copy)")
     try:
-        return FileSystemReader(path).read_metadata()
+        return load_metadata(path)
+    except UnsafeCheckpointError:
+        raise  # not merely unreadable: refused, and the run must not fall back past it silently
     except Exception as e:  # truncated or foreign files raise anything from pickle or torch
         raise ValueError(f"its .metadata cannot be read ({type(e).__name__}: {e})") from None
 
@@ -113,6 +114,8 @@ def candidates(folder: Path, load_step: int, wanted: set[str]) -> list[Checkpoin
     for step, path in sorted(step_folders(folder).items(), reverse=True):
         try:
             info = read_info(path, step)
+        except UnsafeCheckpointError:
+            raise  # a tampered folder stops the run: no silent fresh start past it
         except ValueError as e:
             logger.warning(f"Skipping checkpoint {path}: {e}")
             continue

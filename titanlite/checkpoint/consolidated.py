@@ -8,11 +8,10 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite.checkpoint.catalog import newest_usable, read_metadata, step_folders
+from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
 
@@ -98,7 +97,7 @@ def export(checkpoint: Path, output: Path, dtype: str | None = None) -> dict[str
         raise ConfigError(f"--checkpoint {checkpoint} holds no model tensors")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(flat, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+        safe_dcp_load(flat, checkpoint, no_dist=True)
     cast = TORCH_DTYPES[dtype] if dtype else None
     sd = {k[len(prefix) :]: (v.to(cast) if cast and v.is_floating_point() else v) for k, v in flat.items()}
     output = Path(output)

@@ -18,7 +18,6 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
@@ -29,6 +28,7 @@ from titanlite.checkpoint.hf_adapter import (
     rope_heads,
     to_hf_name,
 )
+from titanlite.checkpoint.safe_reading import load_metadata, safe_dcp_load
 from titanlite.compat import consolidate_hf_safetensors
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import config_from_args, generation_config
@@ -234,7 +234,7 @@ def export_hf(
     st = _safetensors()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    metadata = load_metadata(checkpoint).state_dict_metadata
     saved = {
         k[len(prefix) :]: md
         for k, md in metadata.items()
@@ -257,7 +257,7 @@ def export_hf(
         }
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(dest, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+            safe_dcp_load(dest, checkpoint, no_dist=True)
         tensors = {}
         for hf in group:
             t = dest[prefix + names[hf]]

@@ -48,6 +48,7 @@ from titanlite.checkpoint.resume import (
     problems_everywhere,
     saved_job_config,
 )
+from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, safe_dcp_load
 from titanlite.config import CHECKPOINT_PARTS, JobConfig, to_toml
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import CheckpointSaveError, ConfigError
@@ -143,7 +144,9 @@ class CheckpointManager:
             )
         # DCP calls each part's state_dict() for the destination and load_state_dict() afterwards.
         try:
-            dcp.load({n: part for n, part in self.parts.items() if n in self.wanted}, checkpoint_id=info.path)
+            safe_dcp_load({n: part for n, part in self.parts.items() if n in self.wanted}, info.path)
+        except UnsafeCheckpointError:
+            raise
         except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
             raise ConfigError(
                 f"{info.path} could not be loaded into this run ({type(e).__name__}: "
