@@ -127,10 +127,10 @@ def test_to_toml_round_trips(tmp_path):
     }
 
 
-def test_readme_config_reference_is_current():
+def test_docs_config_reference_is_current():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert config.markdown_reference().strip() in readme, (
-        "README config reference is stale: paste the output of `python -m titanlite.config --markdown`"
+    page = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    assert config.markdown_reference().strip() in page, (
+        "docs/config.md config reference is stale: paste the output of `python -m titanlite.config --markdown`"
     )
