@@ -60,6 +60,14 @@ def _alive(pid):
         return f.read().split()[2] != "Z"
 
 
+def _wait_until_gone(pids, seconds):
+    """Seconds waited until no process of pids is alive (giving up after `seconds`)."""
+    t0 = time.time()
+    while any(_alive(p) for p in pids) and time.time() - t0 < seconds:
+        time.sleep(0.2)
+    return time.time() - t0
+
+
 def _endless_job_argv(tmp_path, *extra):
     """A 2-rank job that trains until it is stopped, checkpointing only when asked to stop."""
     return tiny_argv(
@@ -93,11 +101,9 @@ def test_one_job_per_dump_folder_and_no_orphans(tmp_path):
         assert len(workers) == 2
         os.kill(first.pid, signal.SIGKILL)  # the launcher dies; its workers must not train on
         first.wait()
-        t0 = time.time()
-        while any(_alive(w) for w in workers) and time.time() - t0 < 30:
-            time.sleep(0.2)
+        waited = _wait_until_gone(workers, 30)
         assert not any(_alive(w) for w in workers), "workers outlived their launcher"
-        assert time.time() - t0 < 10
+        assert waited < 10
     finally:
         for w in _children(first.pid):
             os.kill(w, signal.SIGKILL)
@@ -212,14 +218,29 @@ def test_kill_9_of_run_train_sh_stops_the_whole_job(tmp_path):
         saved = {p.name for p in (tmp_path / "job" / "checkpoint").glob("step-*")}
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        t0 = time.time()
-        while any(_alive(p) for p in job) and time.time() - t0 < 20:
-            time.sleep(0.2)
+        waited = _wait_until_gone(job, 20)
         assert not any(_alive(p) for p in job), "processes of the job outlived run_train.sh"
-        assert time.time() - t0 < 10
+        assert waited < 10
     finally:
         for p in job:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
         out.close()
     assert saved and saved <= {p.name for p in (tmp_path / "job" / "checkpoint").glob("step-*")}
+
+
+def test_a_process_that_has_exited_is_not_alive_even_before_it_is_reaped():
+    """An orphaned worker stays a zombie until init reaps it; its lock must already count as free."""
+    from titanlite.run_control import _pid_alive
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.time() + 10
+        while time.time() < deadline and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        assert not _pid_alive(pid)  # exited, not yet reaped
+        assert _pid_alive(os.getpid())
+    finally:
+        os.waitpid(pid, 0)

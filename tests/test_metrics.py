@@ -225,7 +225,9 @@ def _observed_runs(argv_full, argv_quiet):
     full = {k: v.full_tensor() for k, v in a.model.state_dict().items()}
     plain = Transformer(a.model_args)
     plain.load_state_dict(full)
-    loader = build_loader(a.cfg, build_tokenizer(""), "validation", dp_rank=0, dp_degree=1)
+    loader = build_loader(
+        a.cfg, build_tokenizer(""), "validation", dp_rank=0, dp_degree=1, global_batch_size=a.global_batch_size
+    )
     single = Validator(a.cfg, loader).evaluate(plain, torch.device("cpu"))
     opt_bytes = sum(
         s.to_local().numel() * s.element_size()

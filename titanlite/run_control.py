@@ -46,7 +46,13 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's live process
         return True
-    return True
+    # A zombie has exited (only its exit status waits for a parent to collect it): an orphaned worker stays one
+    # until init reaps it, which some inits do late.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux): os.kill's answer stands
+        return True
 
 
 def read_lock(folder: Path) -> dict | None:
