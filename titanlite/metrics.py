@@ -95,7 +95,7 @@ def format_duration(seconds: float | None) -> str:
 
 
 def format_step_line(m: StepMetrics) -> str:
-    """The compact step line; the README documents each figure."""
+    """The compact step line; docs/metrics.md documents each figure."""
     mfu = "n/a" if m.mfu is None else f"{m.mfu:.2f}%"
     if "rss" in m.memory:
         mem = f"rss: {m.memory['rss']:.2f}GiB"

@@ -3,7 +3,6 @@ and check that saved weights fit a model (shapes and names) before anything is l
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite.checkpoint.catalog import newest_usable, read_metadata, step_folders
+from titanlite.checkpoint.export_target import write_atomically
 from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
@@ -100,9 +100,5 @@ def export(checkpoint: Path, output: Path, dtype: str | None = None) -> dict[str
         safe_dcp_load(flat, checkpoint, no_dist=True)
     cast = TORCH_DTYPES[dtype] if dtype else None
     sd = {k[len(prefix) :]: (v.to(cast) if cast and v.is_floating_point() else v) for k, v in flat.items()}
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    torch.save(sd, tmp)
-    os.replace(tmp, output)
+    write_atomically(Path(output), False, lambda tmp: torch.save(sd, tmp))
     return sd

@@ -78,6 +78,7 @@ class CheckpointManager:
         self.folder = checkpoint_folder(cfg)
         self.wanted = wanted_parts(cfg)
         self.model, self.dataloader = model, dataloader
+        self.saved_steps: set[int] = set()  # steps this run wrote (retention says when it removes older runs')
         self.parts = {
             "model": ModelPart(model),
             "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer)),
@@ -317,8 +318,13 @@ class CheckpointManager:
             (tmp / "model_args.json").write_text(json.dumps(args_to_dict(self.model.args), indent=2) + "\n")
         seal(tmp, self.world, [".metadata", *RUN_FILES])
         if final.exists():  # an earlier save of the same step (a rerun from an older checkpoint)
+            logger.warning(
+                f"Replacing {final}, written by an earlier run (this run resumed from an older checkpoint and "
+                f"reached step {step} again)"
+            )
             shutil.rmtree(final)
         os.rename(tmp, final)
+        self.saved_steps.add(step)
         _fsync_dir(self.folder)
         logger.info(f"Saved checkpoint {final} ({time.perf_counter() - t0:.2f} s after the save began)")
         self._purge()
@@ -338,7 +344,8 @@ class CheckpointManager:
         for info in complete:
             if info.step not in keep:
                 shutil.rmtree(info.path, ignore_errors=True)
-                logger.info(f"Removed old checkpoint {info.path} (checkpoint.keep_latest_k = {k})")
+                earlier = "" if info.step in self.saved_steps else "; written by an earlier run"
+                logger.info(f"Removed old checkpoint {info.path} (checkpoint.keep_latest_k = {k}{earlier})")
 
     def _remove_temporaries(self) -> None:
         """Delete saves that never completed (a crash, a kill or a full disk during a save); rank 0, at start."""

@@ -1,7 +1,7 @@
 """`python -m titanlite.config [--world-size N] [overrides]`: validate a configuration and print it.
 
 With --world-size it runs every check the run makes before its process group (titanlite.plan), as
-run_train.sh does before starting torchrun. `--markdown` prints the README's config reference.
+run_train.sh does before starting torchrun. `--markdown` prints the config reference of docs/config.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """`python -m titanlite.checkpoint export`: write a checkpoint's model as one consolidated file or a HF folder.
 
-    python -m titanlite.checkpoint export --checkpoint DIR --output FILE [--dtype bfloat16]
-    python -m titanlite.checkpoint export --checkpoint DIR --output FOLDER --format hf [--dtype bfloat16]
+    python -m titanlite.checkpoint export --checkpoint DIR --output FILE [--dtype bfloat16] [--overwrite]
+    python -m titanlite.checkpoint export --checkpoint DIR --output FOLDER --format hf [--dtype bfloat16] [--overwrite]
 
 DIR is a step-N folder or a checkpoint folder (its newest step). The HF export reads the model's shape
-and the tokenizer from the job_config.toml and model_args.json saved in the step folder.
+and the tokenizer from the job_config.toml and model_args.json saved in the step folder. An existing output
+file, or a folder that holds a model, is replaced only with --overwrite (whole, never mixed); a failed
+export leaves no partial output.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import export, model_prefix, resolve_step
+from titanlite.checkpoint.export_target import check_target, write_atomically
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_FILE_BYTES, export_hf
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
@@ -41,6 +44,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--dtype", choices=list(TORCH_DTYPES), default=None, help="cast floating tensors (default: as saved)"
     )
     ex.add_argument(
+        "--overwrite", action="store_true", help="replace an existing output file, or a folder that holds a model"
+    )
+    ex.add_argument(
         "--max-shard-size",
         type=int,
         default=DEFAULT_MAX_FILE_BYTES,
@@ -64,8 +70,9 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
         )
     args = args_from_dict(saved_args)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    return export_hf(
-        step, model_prefix(metadata), output, args, TORCH_DTYPES[dtype] if dtype else None, tokenizer, max_file_bytes
+    cast = TORCH_DTYPES[dtype] if dtype else None
+    return write_atomically(
+        output, True, lambda tmp: export_hf(step, model_prefix(metadata), tmp, args, cast, tokenizer, max_file_bytes)
     )
 
 
@@ -73,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     """Export; 0 done, 2 bad input."""
     args = _parse(argv)
     try:
+        check_target(Path(args.output), args.format == "hf", args.overwrite)
         if args.format == "hf":
             n = export_to_hf(Path(args.checkpoint), Path(args.output), args.dtype, args.max_shard_size)
             print(f"wrote {args.output}: HuggingFace folder, {n} tensors, dtype {args.dtype or 'as saved'}")

@@ -1,5 +1,5 @@
 """Job configuration: dataclass sections (`sections`), loaded from TOML and `--section.key value` overrides
-(`loader`), documented by `--help` and the README reference (`reference`). Imports no torch.
+(`loader`), documented by `--help` and the reference in docs/config.md (`reference`). Imports no torch.
 
 `python -m titanlite.config [--world-size N] [overrides]` checks a configuration (titanlite.cli.check_config).
 """

@@ -1,4 +1,4 @@
-"""The config reference generated from the field docs: `--help` text and the README's Markdown tables."""
+"""The config reference generated from the field docs: `--help` text and the Markdown tables of docs/config.md."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def help_text() -> str:
 
 
 def markdown_reference() -> str:
-    """Every section and field as Markdown tables (the README's config reference)."""
+    """Every section and field as Markdown tables (the config reference in docs/config.md)."""
     out, defaults = [], JobConfig()
     for section, cls in SECTIONS.items():
         out += [f"**[{section}]**", "", "| key | default | meaning |", "|---|---|---|"]

@@ -1,7 +1,7 @@
 """The JobConfig sections as dataclasses: each field's default, doc line and validity check, side by side.
 
 A field is declared with `_f(default, doc, check=predicate, valid="what is accepted")`; `--help`, the
-README reference and `loader.validate` all read that metadata. Checks that need the world size live in
+docs/config.md reference and `loader.validate` all read that metadata. Checks that need the world size live in
 `titanlite.plan`. No torch here.
 """
 

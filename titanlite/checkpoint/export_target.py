@@ -1,0 +1,75 @@
+"""Where an export writes: never over an existing model unless asked, never a half-written or mixed output.
+
+An export is written into a temporary sibling of the output (created with the usual permissions, not a
+private temp folder's), then moved into place in one rename. With `--overwrite` the old output is moved
+aside first and removed only once the new one is in place, so old weights or an old tokenizer are never
+left beside new ones, and a failed export leaves the old output as it was and nothing new behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from titanlite.errors import ConfigError
+
+# What makes a folder "hold a model" (weights, its config or its tokenizer).
+MODEL_FILES = ("*.safetensors", "*.bin", "*.pt", "config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def check_target(output: Path, folder: bool, overwrite: bool) -> None:
+    """ConfigError when writing `output` (a folder for hf, else a file) would replace or mix with what is there."""
+    kind = "folder" if folder else "file"
+    if output.exists() and output.is_dir() != folder:
+        raise ConfigError(
+            f"--output {output} is a {'folder' if output.is_dir() else 'file'}, but this export writes a {kind}; "
+            f"choose another --output"
+        )
+    if not output.exists() or overwrite:
+        return
+    if not folder:
+        raise ConfigError(
+            f"--output {output} already exists ({output.stat().st_size:,} bytes); pass --overwrite to replace it, "
+            "or choose another --output"
+        )
+    held = sorted({p.name for pattern in MODEL_FILES for p in output.glob(pattern)})
+    if held:
+        raise ConfigError(
+            f"--output {output} already holds a model ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "
+            "pass --overwrite to replace the whole folder, or choose another --output"
+        )
+
+
+def write_atomically(output: Path, folder: bool, write: Callable[[Path], object]):
+    """Call write(tmp) on a temporary sibling of `output`, then put it in place; returns what write returned.
+
+    On any failure the temporary output is removed and `output` is left as it was.
+    """
+    output = output.absolute()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.exporting-{os.getpid()}")
+    old = output.with_name(f".{output.name}.replaced-{os.getpid()}")
+    _remove(tmp)
+    if folder:
+        tmp.mkdir()  # the umask's permissions, like the files written into it
+    try:
+        result = write(tmp)
+        if folder and output.exists():  # a folder cannot be replaced by a rename: move it aside first
+            os.replace(output, old)
+        os.replace(tmp, output)  # a file is replaced atomically
+    except BaseException:
+        _remove(tmp)
+        if folder and old.exists() and not output.exists():
+            os.replace(old, output)  # put the previous output back
+        raise
+    _remove(old)
+    return result
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
