@@ -48,6 +48,7 @@ if [[ "$dry_run" == 1 ]]; then
     exec python -m titanlite.dry_run --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"}
 fi
 
+ngpu_given=${NGPU:+1}  # a default NGPU is the visible GPUs: only a given one can exceed them
 if [[ -z "${NGPU:-}" ]]; then
     NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
     [[ "$NGPU" -gt 0 ]] || NGPU=2
@@ -59,7 +60,7 @@ RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
 RDZV_ID=${RDZV_ID:-titanlite}
 
 whole "$NGPU" && [[ "$NGPU" -ge 1 ]] || die "NGPU=$NGPU is not valid: the processes on this node, a whole number >= 1 (e.g. NGPU=8)"
-if [[ "${TITANLITE_DEVICE:-}" != cpu ]]; then  # NCCL: one GPU per process, never two processes on one GPU
+if [[ -n "$ngpu_given" && "${TITANLITE_DEVICE:-}" != cpu ]]; then  # NCCL: one GPU per process, never two on one
     gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
     if [[ "$gpus" -gt 0 && "$NGPU" -gt "$gpus" ]]; then
         die "$(python -c "from titanlite.distributed import too_few_gpus; print(too_few_gpus($NGPU, $gpus))")"

@@ -12,7 +12,6 @@ from functools import lru_cache
 import torch
 
 SUPPORTED = ((2, 11), (2, 16))  # [lowest, past the highest) minor versions, as pyproject.toml admits
-TESTED = {"2.13": "the whole test suite on CPU (CI)", "2.11": "the GPU check on one H200 (CUDA 13)"}
 
 
 def torch_version() -> tuple[int, int]:

@@ -3,7 +3,6 @@ the training loop and nothing else."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -61,8 +60,9 @@ class Trainer:
         self.model_args = plan.model_args
 
         self.env = init_distributed()
-        if self.env.rank == 0 and version_warning():
-            logger.warning(version_warning())
+        warning = version_warning() if self.env.rank == 0 else None
+        if warning:
+            logger.warning(warning)
         # One job per dump folder; a worker whose launcher died exits instead of training on.
         self.lock, self.watchdog = guard_run(cfg.job.dump_folder, self.env.rank, self.env.world_size)
         set_seed(cfg.training.seed, cfg.training.deterministic)
@@ -181,7 +181,7 @@ class Trainer:
             f" per rank, dp degree {self.dims.dp_degree}"
         )
         profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.step).start()
-        self.metrics.open_wandb(dataclasses.asdict(cfg), resumed=self.step > 0)
+        self.metrics.open_wandb(cfg.to_dict(), resumed=self.step > 0)
         self.metrics.start()
         try:
             while self.step < cfg.training.steps:

@@ -92,12 +92,16 @@ def load_metadata(path: pathlib.Path) -> dcp_metadata.Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's FileSystemReader with `.metadata` read by the allow-list unpickler."""
+    """DCP's FileSystemReader with `.metadata` read by the allow-list unpickler (or given, already read so)."""
+
+    def __init__(self, path, metadata: dcp_metadata.Metadata | None = None):
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata files are not something titanlite writes
             raise UnsafeCheckpointError(f"{self.path}: per-rank metadata files are not read")
-        metadata = load_metadata(pathlib.Path(self.path))
+        metadata = self._metadata or load_metadata(pathlib.Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -130,11 +134,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def safe_dcp_load(state_dict, path, **kwargs) -> None:
     """dcp.load of `state_dict` from the DCP folder `path`, running nothing the folder holds; a refused item
     raises its UnsafeCheckpointError (not DCP's CheckpointException around it)."""
-    load_metadata(pathlib.Path(path))  # refused here, before DCP (which logs and retries a failed read)
+    metadata = load_metadata(pathlib.Path(path))  # refused here, before DCP (which logs and retries a failed read)
     try:
         dcp.load(
             state_dict,
-            storage_reader=SafeFileSystemReader(str(path)),
+            storage_reader=SafeFileSystemReader(str(path), metadata),
             planner=SafeLoadPlanner(source=str(path)),
             **kwargs,
         )

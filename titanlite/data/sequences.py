@@ -155,13 +155,18 @@ class PackedLayout:
         cum = np.concatenate([[0], np.cumsum(in_order)])
         return cum[self.bounds[1:]] - cum[self.bounds[:-1]]
 
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """The windows in epoch `epoch`'s order (shuffled per epoch with the seed); the last epoch's is kept."""
+        if self._perm is None or self._perm[0] != epoch:
+            order = (
+                np.arange(self.num_windows) if self.seed is None else _permutation(self.num_windows, self.seed, epoch)
+            )
+            self._perm = (epoch, order)
+        return self._perm[1]
+
     def _window_of(self, index: int) -> int:
         epoch, i = divmod(index, self.num_windows)
-        if self.seed is None:
-            return i
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, _permutation(self.num_windows, self.seed, epoch))
-        return int(self._perm[1][i])
+        return i if self.seed is None else int(self._epoch_order(epoch)[i])
 
     def read(self, index: int) -> Window:
         """Global window `index`: its documents back to back, then padding (which never counts)."""
@@ -203,18 +208,15 @@ class PackedLayout:
         while first < stop:
             epoch, i = divmod(first, self.num_windows)
             end = min(stop - epoch * self.num_windows, self.num_windows)
-            total += int(self._epoch_sums(epoch)[which][end] - self._epoch_sums(epoch)[which][i])
+            sums = self._epoch_sums(epoch)[which]
+            total += int(sums[end] - sums[i])
             first = epoch * self.num_windows + end
         return total
 
     def _epoch_sums(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Prefix sums of counted labels and real tokens over the windows in epoch `epoch`'s order."""
         if self._sums is None or self._sums[0] != epoch:
-            order = (
-                _permutation(self.num_windows, self.seed, epoch)
-                if self.seed is not None
-                else np.arange(self.num_windows)
-            )
+            order = self._epoch_order(epoch)
             counted = np.concatenate([[0], np.cumsum(self._counted[order])])
             real = np.concatenate([[0], np.cumsum(np.minimum(self._filled[order], self.window - 1))])
             self._sums = (epoch, counted, real)
