@@ -19,6 +19,7 @@ from titanlite.checkpoint.resume import check_resume
 from titanlite.config import JobConfig
 from titanlite.data.build import check_data
 from titanlite.data.tokenizers import build_tokenizer
+from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import hf_folder
 from titanlite.models.llama_args import LlamaArgs
@@ -64,6 +65,31 @@ def model_shapes(cfg: JobConfig, args: LlamaArgs) -> dict[str, tuple]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def machine_memory(device_type: str) -> int:
+    """Bytes of memory one rank's device has: the GPU's, or this machine's RAM for the CPU."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_machine_holds(cfg: JobConfig, args: LlamaArgs, device_type: str) -> None:
+    """ConfigError when the sequence length and microbatch cannot fit this device at all: the RoPE table and
+    every block's input for one microbatch (what a step keeps with any activation checkpointing) exceed its
+    memory. A job that only might not fit is the dry run's to judge."""
+    t = cfg.training
+    tokens = t.local_batch_size * t.seq_len
+    rope = args.max_seq_len * (args.head_dim // 2) * 16  # float64 angles, then complex64 rotations
+    need = rope + tokens * args.n_layers * args.dim * dtype_bytes(t.mixed_precision_param)
+    have = machine_memory(device_type)
+    if need > have:
+        raise ConfigError(
+            f"training.seq_len = {t.seq_len:,} with training.local_batch_size = {t.local_batch_size} needs at "
+            f"least {need / 2**30:,.1f} GiB per rank ({args.n_layers} blocks x {tokens:,} tokens x dim {args.dim}, "
+            f"plus the RoPE table), more than this {device_type} device's {have / 2**30:,.1f} GiB; lower them "
+            f"(`run_train.sh --dry-run` sizes a job without running it)"
+        )
+
+
 @dataclass
 class RunPlan:
     """What a configuration resolves to for one world size, built before any process group."""
@@ -100,6 +126,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
         raise ConfigError(problem)
     check_data(cfg, tokenizer)
     if device_type is not None:
+        check_machine_holds(cfg, args, device_type)
         if int(os.environ.get("RANK", "0")) == 0:  # rank 0 holds the lock; peers would see their own job's
             check_lock_free(Path(cfg.job.dump_folder))  # another job on the same dump folder
         check_resume(cfg, args, model_shapes(cfg, args))

@@ -7,6 +7,7 @@ are reported in well under a second and before any process group exists.
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 import typing
 from pathlib import Path
@@ -73,7 +74,10 @@ def _coerce(key: str, value, typ, list_ok: bool = False):
         if typ is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ConfigError(f"{key} = {value!r} is not valid; expected a finite number")
+            return number
         if typ is str:
             if isinstance(value, (dict, list)):
                 raise ValueError

@@ -113,8 +113,20 @@ class Training:
         "bfloat16", "dtype parameters are cast to for compute: float32, bfloat16, float16", **_DTYPE
     )
     mixed_precision_reduce: str = _f("float32", "dtype gradients are reduced in: float32, bfloat16, float16", **_DTYPE)
-    seed: int = _f(42, "seed for weight init and any randomness; the same on every rank")
+    seed: int = _f(
+        42,
+        "seed for weight init and any randomness; the same on every rank",
+        lambda v: 0 <= v < 2**63,
+        "a whole number from 0 to 2**63 - 1",
+    )
     enable_cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
+    hang_timeout_seconds: float = _f(
+        1800.0,
+        "a rank that stays this long in one phase (a stopped process, a stuck collective) ends the job with a "
+        "report of what every rank was doing; longer than the slowest step, save or validation; 0: never",
+        _non_negative,
+        "a number of seconds >= 0 (0 turns the check off)",
+    )
     deterministic: bool = _f(
         False, "deterministic kernels (slower on GPU); without it GPU runs are not bitwise repeatable (CUDA atomics)"
     )
@@ -262,6 +274,11 @@ class Checkpoint:
         "disabled (a save blocks) or async (written in a background thread while training goes on)",
         _one_of("disabled", "async"),
         "disabled or async",
+    )
+    allow_data_change: bool = _f(
+        False,
+        "resume even when the tokenizer or the training data changed since the checkpoint (its data position "
+        "then points into other data); without it such a resume is refused",
     )
     last_save_model_only: bool = _f(False, "at the last step save only the model, in export_dtype (for export)")
     export_dtype: str = _f(
