@@ -86,16 +86,21 @@ if [[ "$MAX_RESTARTS" -gt 0 ]]; then
     # attempt's addresses and fail to connect (pytorch#135712, #167288); give each attempt its own store.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 fi
-# Rank 0 writes here how the workers ended: torchrun exits 1 after it forwarded a stop signal, even when every
-# worker saved and exited 0, and then this script exits 0 instead.
-TITANLITE_EXIT_STATUS_FILE=$(mktemp "${TMPDIR:-/tmp}/titanlite-exit.XXXXXX")
-export TITANLITE_EXIT_STATUS_FILE
-trap 'rm -f "$TITANLITE_EXIT_STATUS_FILE"' EXIT
+# The workers write here how they ended (titanlite/exit_status.py): torchrun exits 1 after it forwarded a stop
+# signal, even when every worker saved and exited 0, and then this script exits 0 instead; a worker's user error
+# is printed once by the launcher, which exits 2. A temp folder that is full or read-only only loses this.
+if TITANLITE_EXIT_STATUS_FILE=$(mktemp "${TMPDIR:-/tmp}/titanlite-exit.XXXXXX" 2> /dev/null); then
+    export TITANLITE_EXIT_STATUS_FILE
+    trap 'rm -f "$TITANLITE_EXIT_STATUS_FILE" "$TITANLITE_EXIT_STATUS_FILE".*' EXIT
+else
+    echo "run_train.sh: cannot create a file in ${TMPDIR:-/tmp}; workers' exit status is not recorded" >&2
+    TITANLITE_EXIT_STATUS_FILE=""
+fi
 
-# torchrun runs in a session of its own, so that a terminal's Ctrl-C reaches only this script, which passes
+# torchrun (titanlite.cli.launch: torchrun's entry point with titanlite's endings) runs in a session of its own, so that a terminal's Ctrl-C reaches only this script, which passes
 # each signal on once; a second Ctrl-C kills the whole session. It is killed with this script however the
 # script dies (kill -9 too), and its workers follow within a second.
-python -m titanlite.cli.own_session $$ torchrun --nnodes="$NNODES" --nproc_per_node="$NGPU" \
+python -m titanlite.cli.own_session $$ python -m titanlite.cli.launch --nnodes="$NNODES" --nproc_per_node="$NGPU" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" \
     --max-restarts="$MAX_RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
     -m titanlite.train --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"} &

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import random
@@ -45,8 +46,9 @@ def too_few_gpus(processes: int, gpus: int) -> str:
     )
 
 
-def init_distributed() -> Env:
-    """Join (or, without torchrun, create a one-process) process group for this device."""
+def init_distributed(hang_timeout_s: float = 0.0) -> Env:
+    """Join (or, without torchrun, create a one-process) process group for this device. Its collectives time
+    out after torch's default, or later than hang_timeout_s (titanlite.hang_watch reports a hang first)."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -64,7 +66,10 @@ def init_distributed() -> Env:
     else:
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        timeout = None
+        if hang_timeout_s > 0:
+            timeout = max(datetime.timedelta(minutes=30), datetime.timedelta(seconds=hang_timeout_s + 120))
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return Env(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
 
 

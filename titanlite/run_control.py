@@ -7,7 +7,6 @@
   the process at once, without a checkpoint, instead of training on as an orphan.
 - `StopSignals`: SIGTERM, SIGUSR1, SIGHUP and SIGINT ask for a save at the end of the step and a clean
   exit; a second Ctrl-C (SIGINT more than a second after the first) exits at once.
-- `write_exit_status`: tells run_train.sh that the workers stopped cleanly after a preemption save.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ LOCK_NAME = ".titanlite.lock"
 STALE_AFTER = 600.0  # seconds without a heartbeat after which another host's lock is taken over
 HEARTBEAT_EVERY = 60.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
-EXIT_STATUS_ENV = "TITANLITE_EXIT_STATUS_FILE"  # set by run_train.sh
 
 
 def _run_id() -> str:
@@ -230,13 +228,6 @@ class StopSignals:
                 f"(Ctrl-C again to exit at once)"
             )
         self.requested = True
-
-
-def write_exit_status(status: str, step: int) -> None:
-    """Rank 0: record how the workers ended, for run_train.sh (when it asked, with TITANLITE_EXIT_STATUS_FILE)."""
-    path = os.environ.get(EXIT_STATUS_ENV)
-    if path:
-        Path(path).write_text(json.dumps({"status": status, "step": step, "time": time.time()}))
 
 
 def guard_run(dump_folder: str, rank: int, world: int):

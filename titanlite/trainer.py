@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.checkpoint.catalog import checkpoint_folder
+from titanlite.checkpoint.data_identity import current as data_identity
 from titanlite.checkpoint.hf_io import save_hf_sharded
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.compat import version_warning
@@ -21,7 +22,9 @@ from titanlite.data.build import build_loader
 from titanlite.distributed import init_distributed, pick_device, set_seed, world_size_from_env
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import NonFiniteLossError
+from titanlite.exit_status import record_end
 from titanlite.flops import flops_per_token
+from titanlite.hang_watch import HangWatch
 from titanlite.loss import counted_labels, microbatch_loss, training_loss
 from titanlite.metrics import MetricsLogger
 from titanlite.model_builder import build_model
@@ -30,7 +33,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallelize import describe, describe_ac_compile, gradient_sync_plan, microbatch_sync
 from titanlite.plan import validate_for_world
 from titanlite.profiling import Profiler
-from titanlite.run_control import guard_run, write_exit_status
+from titanlite.run_control import guard_run
 from titanlite.summary import degenerate_run_warnings, startup_lines
 from titanlite.validate import Validator
 
@@ -59,7 +62,10 @@ class Trainer:
         self.global_batch_size = plan.global_batch_size
         self.model_args = plan.model_args
 
-        self.env = init_distributed()
+        self.env = init_distributed(cfg.training.hang_timeout_seconds)
+        self.hang = HangWatch(
+            cfg.job.dump_folder, self.env.rank, self.env.world_size, cfg.training.hang_timeout_seconds
+        )
         warning = version_warning() if self.env.rank == 0 else None
         if warning:
             logger.warning(warning)
@@ -129,6 +135,7 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=self,
             device=self.device,
+            data_identity=data_identity(self.tokenizer, self.dataloader),
         )
         self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
 
@@ -151,10 +158,12 @@ class Trainer:
         scale = self.dims.dp_degree / global_tokens
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
+            self.hang.phase(f"step {self.step}: forward/backward, microbatch {i + 1} of {len(microbatches)}")
             with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
                 token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
                 (token_loss_sum * scale).backward()
             loss_sum += token_loss_sum.detach()
+        self.hang.phase(f"step {self.step}: gradient norm, clipping and optimizer step")
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -183,9 +192,11 @@ class Trainer:
         profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.env.rank, self.device, self.step).start()
         self.metrics.open_wandb(cfg.to_dict(), resumed=self.step > 0)
         self.metrics.start()
+        self.hang.start()
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
+                self.hang.phase(f"step {self.step}: waiting for its data")
                 data = self.dataloader.next_step()
                 lr = self.lr_scheduler.get_last_lr()[0]
                 out = self.train_step(data.microbatches, data.global_valid_tokens)
@@ -196,24 +207,29 @@ class Trainer:
                 self._track_non_finite(out)
                 # Only logged steps read device values (host syncs) and all-reduce the loss.
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                    self.hang.phase(f"step {self.step}: reducing the loss for the log")
                     self.check_finite()
                     loss = self.global_loss(out)
                     self.losses[self.step] = loss
                     self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr))
                 if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
+                    self.hang.phase(f"validation at step {self.step}")
                     self.validate()
                 profiler.step(self.step)
+                self.hang.phase(f"step {self.step}: checkpoint save, if due")
                 if self.checkpointer.maybe_save(
                     self.step, last=self.step == cfg.training.steps, before_save=self.check_finite
                 ):
                     break  # preempted: every rank saved this step; exit 0 so the job can be requeued
+            self.hang.phase(f"after step {self.step}: final checks and saves")
             profiler.stop()
             self.check_finite()
             if cfg.checkpoint.last_save_in_hf and self.step == cfg.training.steps and not self.checkpointer.preempted:
                 self.save_hf()
             if self.env.rank == 0:
-                write_exit_status("stopped" if self.checkpointer.preempted else "finished", self.step)
+                record_end("stopped" if self.checkpointer.preempted else "finished", self.step)
         finally:
+            self.hang.stop()
             self.watchdog.stop()
             if self.lock is not None:
                 self.lock.release()

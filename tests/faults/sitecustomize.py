@@ -7,7 +7,8 @@ points. Production code has no hooks for this.
 TITANLITE_FAULTS is a comma-separated list, the i-th entry applying to torchrun restart i
 (TORCHELASTIC_RESTART_COUNT; an empty entry: no fault in that attempt). An entry is
 ACTION:WHERE:STEP:RANK with
-  ACTION  kill (SIGKILL this process)
+  ACTION  kill (SIGKILL this process), stop (SIGSTOP: a frozen process) or config_error (a user error found
+          mid-run, e.g. a malformed record)
   WHERE   step (end of the step, before its save decision) or save (a save has begun, before this
           rank writes anything)
 """
@@ -36,6 +37,14 @@ def _maybe_fault(where: str, step: int) -> None:
     action, fault_where, fault_step, fault_rank, attempt = entry
     if (fault_where, fault_step, fault_rank) != (where, step, dist.get_rank()):
         return
+    if action == "stop":
+        logging.getLogger("titanlite").warning(f"fault injection: stopping rank {fault_rank} at {where} {step}")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if action == "config_error":
+        from titanlite.errors import ConfigError
+
+        raise ConfigError(f"fault injection: a malformed record at step {step} on rank {fault_rank}")
     if action == "kill":
         logging.getLogger("titanlite").warning(
             f"fault injection: killing rank {fault_rank} at {where} {step} (restart {attempt})"

@@ -39,6 +39,9 @@ from titanlite.checkpoint.catalog import (
     wanted_parts,
 )
 from titanlite.checkpoint.consolidated import check_model_fits, saved_shapes
+from titanlite.checkpoint.data_identity import FILE as DATA_IDENTITY
+from titanlite.checkpoint.data_identity import check_unchanged
+from titanlite.checkpoint.data_identity import write as write_data_identity
 from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.integrity import seal, write_rank_manifest
 from titanlite.checkpoint.parts import ModelPart, OptimizerPart, SchedulerPart, TrainStatePart
@@ -58,7 +61,7 @@ from titanlite.run_control import StopSignals
 
 logger = logging.getLogger("titanlite")
 
-RUN_FILES = ("job_config.toml", "model_args.json")
+RUN_FILES = ("job_config.toml", "model_args.json", DATA_IDENTITY)
 
 
 class CheckpointManager:
@@ -70,9 +73,19 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, cfg: JobConfig, *, model, optimizer, lr_scheduler, dataloader, train_state, device: torch.device
+        self,
+        cfg: JobConfig,
+        *,
+        model,
+        optimizer,
+        lr_scheduler,
+        dataloader,
+        train_state,
+        device: torch.device,
+        data_identity: dict | None = None,
     ):
         self.job_cfg, self.cfg = cfg, cfg.checkpoint
+        self.data_identity = data_identity  # what the data position counts in (data_identity.py)
         self.job_config_text = to_toml(cfg)
         self.enabled = cfg.checkpoint.enable
         self.folder = checkpoint_folder(cfg)
@@ -138,6 +151,9 @@ class CheckpointManager:
 
     def _restore(self, info: CheckpointInfo) -> None:
         t0 = time.perf_counter()
+        if self.data_identity is not None:
+            now = self.data_identity if "dataloader" in self.wanted else {**self.data_identity, "sources": []}
+            check_unchanged(info.path, now, self.cfg.allow_data_change)
         if "model" in self.wanted:
             check_model_matches(info.path, self.model.args)
             check_model_fits(
@@ -314,6 +330,8 @@ class CheckpointManager:
             return
         tmp, final = self.folder / f"{TMP_PREFIX}{step}", self.folder / f"{STEP_PREFIX}{step}"
         (tmp / "job_config.toml").write_text(self.job_config_text)
+        if self.data_identity is not None:
+            write_data_identity(tmp, self.data_identity)
         if hasattr(self.model, "args"):
             (tmp / "model_args.json").write_text(json.dumps(args_to_dict(self.model.args), indent=2) + "\n")
         seal(tmp, self.world, [".metadata", *RUN_FILES])

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from titanlite.config import load, to_toml
 from titanlite.distributed import exit_process, shutdown
 from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError
+from titanlite.exit_status import record_failure
 from titanlite.metrics import setup_logging
 from titanlite.trainer import Trainer
 
@@ -19,6 +21,15 @@ def entry() -> None:
     exit_process(main())
 
 
+def user_error(e: ConfigError) -> int:
+    """Report a user error once (to run_train.sh's launcher, which prints it, or else on stderr); exit status 2."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not record_failure("config_error", str(e), rank):
+        print(f"config error: {e}", file=sys.stderr)
+    shutdown()
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train as the config says; returns the exit status."""
     setup_logging()
@@ -26,17 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(argv)
         trainer = Trainer(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        shutdown()
-        return 2
+        return user_error(e)
     try:
         if cfg.job.print_config and trainer.env.rank == 0:
             print(to_toml(cfg))
         trainer.train()
     except ConfigError as e:  # data that turns out bad mid-run (a malformed record, ...)
-        print(f"config error: {e}", file=sys.stderr)
-        shutdown()
-        return 2
+        return user_error(e)
     except (NonFiniteLossError, CheckpointSaveError) as e:
         logger.error(str(e))
         shutdown()

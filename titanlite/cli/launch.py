@@ -1,0 +1,55 @@
+"""`python -m titanlite.cli.launch TORCHRUN_ARGS ...`: torchrun, as run_train.sh starts it, with titanlite's endings.
+
+It runs torchrun's own entry point (`torch.distributed.run.main`) in this process; what changes is how a failed
+job ends. When a worker recorded a user error (titanlite.exit_status), its message is printed once and the exit
+status is 2, with no ChildFailedError dump and no closing-signal log lines; when a worker found the job hung,
+its report is printed and the exit status is 1; any other failure prints torchrun's failure table (which rank,
+exit code, signal) without torchrun's own traceback, and exits 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from titanlite.exit_status import ENV, read_outcome
+
+
+class _HideAfterUserError(logging.Filter):
+    """Drops torchrun's log lines about failed and closed workers once a worker recorded why it ended."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not record.name.startswith("torch.distributed.elastic"):
+            return True
+        return not read_outcome(os.environ.get(ENV)).failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with these arguments; returns the job's exit status (0, 1, or 2 for a user error)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hide = _HideAfterUserError()
+    torch_loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch")]
+    for handler in {h for logger in [logging.getLogger(), *torch_loggers] for h in logger.handlers}:
+        handler.addFilter(hide)
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        failure = read_outcome(os.environ.get(ENV)).first_failure()
+        if failure is None:
+            print(f"torchrun: a worker failed\n{e}", file=sys.stderr)
+            return 1
+        where = f" (rank {failure['rank']})" if failure["rank"] else ""
+        if failure.get("status") == "config_error":
+            print(f"config error{where}: {failure['message']}", file=sys.stderr)
+            return 2
+        print(f"error{where}: {failure['message']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

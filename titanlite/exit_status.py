@@ -1,0 +1,84 @@
+"""How the workers of a run_train.sh job ended, told to the launcher through small files in the temp folder.
+
+run_train.sh sets TITANLITE_EXIT_STATUS_FILE. Rank 0 writes there whether the run finished or stopped after a
+stop signal (torchrun exits 1 after it forwarded a signal even when every worker saved and exited 0). A rank
+that ends with a user error (a ConfigError) or that finds the job hung writes `<file>.<rank>` with its message,
+so the launcher can print it once and exit 2 (or 1), without torchrun's failure dump. Nothing here may turn a
+finished run into a failed one: a status that cannot be written (a full or read-only temp folder) is a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger("titanlite")
+
+ENV = "TITANLITE_EXIT_STATUS_FILE"  # set by run_train.sh
+
+
+def _write(path: Path, record: dict) -> bool:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({**record, "time": time.time()}))
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        logger.warning(
+            f"could not record how this run ended in {path} ({e.strerror or e}); the launcher reports "
+            f"torchrun's own exit status instead"
+        )
+        return False
+
+
+def record_end(status: str, step: int) -> None:
+    """Rank 0: the workers 'finished' or 'stopped' (after a stop signal) at this step, when the launcher asked."""
+    path = os.environ.get(ENV)
+    if path:
+        _write(Path(path), {"status": status, "step": step})
+
+
+def record_failure(kind: str, message: str, rank: int) -> bool:
+    """A rank ends with a user error ('config_error') or found the job hung ('hung'); False when no launcher
+    asked or the record could not be written (then the caller prints the message itself)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return False
+    return _write(Path(f"{path}.{rank}"), {"status": kind, "rank": rank, "message": message})
+
+
+@dataclass
+class Outcome:
+    """What the workers recorded: rank 0's end status and every rank's failure."""
+
+    status: str | None = None
+    failures: dict[int, dict] = field(default_factory=dict)  # rank -> {"status", "message"}
+
+    def first_failure(self) -> dict | None:
+        """The failure of the lowest rank; user errors before hangs (a hang report follows a peer's error)."""
+        ranked = sorted(self.failures.items(), key=lambda kv: (kv[1].get("status") != "config_error", kv[0]))
+        return ranked[0][1] | {"rank": ranked[0][0]} if ranked else None
+
+
+def read_outcome(path: str | None) -> Outcome:
+    """The records under path (an Outcome with nothing in it when there are none or they cannot be read)."""
+    outcome = Outcome()
+    if not path:
+        return outcome
+    base = Path(path)
+    try:
+        outcome.status = json.loads(base.read_text() or "{}").get("status")
+    except (OSError, ValueError):
+        pass
+    for record in base.parent.glob(f"{base.name}.*"):
+        if record.suffix[1:].isdigit():
+            try:
+                outcome.failures[int(record.suffix[1:])] = json.loads(record.read_text())
+            except (OSError, ValueError):
+                continue
+    return outcome
