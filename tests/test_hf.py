@@ -1,6 +1,7 @@
 """HuggingFace Llama weights in and out, checked against transformers' LlamaForCausalLM (no hub access)."""
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -106,6 +107,45 @@ def test_import_gives_transformers_logits(tmp_path, tied, scaling, kv_heads):
     ours, hf = _titanlite_from(tmp_path).to(device), hf.to(device)
     ours.init_buffers()  # the RoPE table is rebuilt in float64 on the device
     x = torch.randint(0, 300, (2, 300)).to(device)  # past original_max_position_embeddings = 64: scaling matters
+    with torch.no_grad():
+        assert (ours(x) - hf(x).logits).abs().max() < 1e-5
+
+
+def test_a_tied_config_with_its_own_lm_head_loads_as_transformers_does(tmp_path, caplog):
+    """tie_word_embeddings = true, but the weights hold an lm_head that differs from the embedding: transformers
+    keeps that lm_head (untied) and warns; so does titanlite, naming the file. An equal lm_head stays tied."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model(tmp_path, kv_heads=4)  # untied, lm_head and the embedding in different files
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["lm_head.weight"] != index["model.embed_tokens.weight"]
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        ours = _titanlite_from(tmp_path)
+    x = torch.randint(0, 300, (2, 64))
+    with torch.no_grad():
+        assert (ours(x) - hf(x).logits).abs().max() < 1e-5
+    warnings = [r.getMessage() for r in caplog.records if "tie_word_embeddings" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert (
+        f"{tmp_path / 'config.json'} says tie_word_embeddings = true, but {index['lm_head.weight']} holds an "
+        in (warnings[0])
+    )
+    assert "lm_head.weight that differs from model.embed_tokens.weight" in warnings[0]
+    assert "using that lm_head.weight as the output projection, untied from the embedding" in warnings[0]
+    assert not ours.args.tie_embeddings
+
+    # the same lm_head as the embedding: tied, as transformers ties it, and nothing to warn about
+    lm_file = tmp_path / index["lm_head.weight"]
+    embedding = load_file(tmp_path / index["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    save_file(load_file(lm_file) | {"lm_head.weight": embedding.clone()}, lm_file, metadata={"format": "pt"})
+    caplog.clear()
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        ours = _titanlite_from(tmp_path)
+    assert ours.args.tie_embeddings and not [r for r in caplog.records if "tie_word_embeddings" in r.getMessage()]
     with torch.no_grad():
         assert (ours(x) - hf(x).logits).abs().max() < 1e-5
 

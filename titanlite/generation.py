@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from titanlite.checkpoint.catalog import newest_usable, step_folders
+from titanlite.checkpoint.catalog import newest_usable, read_metadata, step_folders
+from titanlite.checkpoint.consolidated import check_model_fits, model_prefix, saved_shapes, unreadable
 from titanlite.checkpoint.hf_io import load_hf_weights
-from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, safe_dcp_load
+from titanlite.checkpoint.resume import model_differences, saved_job_config, saved_model_args
+from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
@@ -28,20 +30,37 @@ from titanlite.models.hf_config import hf_folder, is_hf_folder
 from titanlite.models.registry import model_args
 
 
-def resolve_checkpoint(path: str) -> Path:
-    """A DCP checkpoint folder: `path` itself, or its newest complete `step-N` sub-folder (a checkpoint root)."""
+def resolve_checkpoint(path: str, given: bool = True) -> Path:
+    """A DCP checkpoint folder: `path` itself, or its newest complete `step-N` sub-folder (a checkpoint root);
+    or a HuggingFace model folder. `given`: the user named it (else it is the configured default)."""
     p = Path(path).expanduser()
     if (p / ".metadata").is_file() or is_hf_folder(p):
         return p
-    info = newest_usable(p, {"model"}) if step_folders(p) else None
+    steps = step_folders(p)
+    info = newest_usable(p, {"model"}) if steps else None
     if info is not None:
         return info.path
-    what = (
-        "does not exist" if not p.exists() else "is neither a DCP checkpoint (no .metadata) nor a folder of step-N ones"
+    if not p.exists():
+        what = "does not exist"
+    elif not p.is_dir():
+        what = "is a file, not a checkpoint folder"
+    elif steps:
+        names = ", ".join(s.name for _, s in sorted(steps.items()))
+        what = f"holds step-N folders but no complete checkpoint with a model ({names})"
+    elif (p / "config.json").is_file():
+        what = "has a config.json but no *.safetensors weights (a HuggingFace model folder needs both)"
+    elif any(p.glob("*.safetensors")):
+        what = "has *.safetensors weights but no config.json (a HuggingFace model folder needs both)"
+    else:
+        what = "is neither a DCP checkpoint (no .metadata) nor a folder of step-N ones nor a HuggingFace model folder"
+    name = (
+        f"--checkpoint {path!r}"
+        if given
+        else f"--checkpoint was not given, and its default <job.dump_folder>/<checkpoint.folder> = {path!r}"
     )
     raise ConfigError(
-        f"--checkpoint {path!r} {what}; valid: a step-N checkpoint folder, the checkpoint folder "
-        f"holding them (the newest is used), or 'none' for the untrained initial weights"
+        f"{name} {what}; valid: a step-N checkpoint folder, the checkpoint folder holding them (the newest "
+        f"is used), a HuggingFace model folder, or 'none' for the untrained initial weights"
     )
 
 
@@ -55,26 +74,42 @@ def inference_model(cfg: JobConfig, vocab_size: int, device: torch.device, mesh=
 
 
 def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
-    """Load a HF folder, or the "model" entry of a DCP checkpoint, into the (sharded or plain) model, each
-    rank its shard."""
+    """Load a HF folder, or the model of a DCP checkpoint, into the (sharded or plain) model, each rank its
+    shard; ConfigError naming the first tensor that does not fit, and the settings the checkpoint was saved with."""
     if is_hf_folder(checkpoint):
         load_hf_weights(model, checkpoint)
         return
-    state = {"model": get_model_state_dict(model)}
+    path = Path(checkpoint)
+    try:
+        metadata = read_metadata(path)
+    except ValueError as e:
+        raise ConfigError(f"--checkpoint {str(path)!r} is not a readable DCP checkpoint: {e}") from None
+    model_sd, prefix = get_model_state_dict(model), model_prefix(metadata)
+    source = f"--checkpoint {str(path)!r}"
+    check_model_fits(model_sd, saved_shapes(metadata, prefix), source, _saved_with(path, model.args))
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            safe_dcp_load(state, checkpoint, no_dist=not dist.is_initialized())
-    except UnsafeCheckpointError:
-        raise
-    except (Exception, CheckpointException) as e:  # shape or key mismatches, as long nested errors
-        args = model.args
-        raise ConfigError(
-            f"--checkpoint {str(checkpoint)!r} does not fit the model of this config (dim {args.dim}, "
-            f"{args.n_layers} layers, vocab {args.vocab_size}): is it the config the checkpoint was trained "
-            f"with? {type(e).__name__}: {str(e)[:500]}"
-        ) from e
-    set_model_state_dict(model, state["model"])
+            safe_dcp_load({"model": model_sd} if prefix else model_sd, path, no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise unreadable(path, e) from None
+    set_model_state_dict(model, model_sd)
+
+
+def _saved_with(path: Path, args) -> str | None:
+    """'; it was saved ...: pass ...' from the model_args.json and job_config.toml of a checkpoint, if it has them."""
+    saved, cfg = saved_model_args(path), saved_job_config(path)
+    try:
+        diff = model_differences(saved, args) if isinstance(saved, dict) else []
+    except TypeError:  # a damaged model_args.json: the shapes alone tell
+        diff = []
+    if cfg is None:
+        return f"; it was saved by another model ({'; '.join(diff)})" if diff else None
+    return (
+        f"; it was saved by another model ({'; '.join(diff) or 'see its model_args.json'}) with model.flavor = "
+        f"{cfg.model.flavor!r}: pass --config {path / 'job_config.toml'} (the config it was saved with), or "
+        f"--model.flavor {cfg.model.flavor}"
+    )
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:

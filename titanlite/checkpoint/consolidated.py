@@ -7,13 +7,16 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite.checkpoint.catalog import newest_usable, read_metadata, step_folders
 from titanlite.checkpoint.export_target import write_atomically
+from titanlite.checkpoint.integrity import rank_problems
 from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
+from titanlite.models.hf_config import is_hf_folder
 
 
 def saved_shapes(metadata, prefix: str) -> dict[str, tuple | None]:
@@ -30,9 +33,10 @@ def model_prefix(metadata) -> str:
     return "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
 
 
-def check_model_fits(model_sd: dict, saved: dict[str, tuple | None], source: str) -> None:
-    """ConfigError naming the first key whose saved shape differs from the model's (or is missing)."""
-    hint = "; was it saved with another model.flavor, model.vocab_size or model.tie_embeddings?"
+def check_model_fits(model_sd: dict, saved: dict[str, tuple | None], source: str, hint: str | None = None) -> None:
+    """ConfigError naming the first key whose saved shape differs from the model's (or is missing); `hint`
+    ("; ...") says what to do instead."""
+    hint = hint or "; was it saved with another model.flavor, model.vocab_size or model.tie_embeddings?"
     for name, value in model_sd.items():
         model_shape = tuple(getattr(value, "shape", value))  # a tensor, or a shape
         if name not in saved:
@@ -53,6 +57,20 @@ def check_model_fits(model_sd: dict, saved: dict[str, tuple | None], source: str
         )
 
 
+def unreadable(path: Path, error: BaseException) -> ConfigError:
+    """The ConfigError for a DCP checkpoint whose files could not be read (error: DCP's exception, which
+    gathers each rank's failure), naming the damaged files when its manifest shows them."""
+    failures = getattr(error, "failures", None)
+    cause = next(iter(failures.values()))[0] if failures else error
+    text = str(cause).strip().splitlines()
+    detail = type(cause).__name__ + (f": {text[0][:200]}" if text else "")
+    damaged = rank_problems(path, 0, 1)  # sizes and checksums of every file its manifest lists
+    files = f"; {'; '.join(damaged[:3])}" if damaged else ""
+    return ConfigError(
+        f"{path} cannot be read ({detail}){files}: the checkpoint is damaged or incomplete; use another step"
+    )
+
+
 def load_consolidated(path: Path) -> dict[str, torch.Tensor]:
     """A consolidated state-dict file ({fqn: tensor}, or {"model": {...}}), memory-mapped."""
     try:
@@ -71,12 +89,23 @@ def load_consolidated(path: Path) -> dict[str, torch.Tensor]:
 def resolve_step(checkpoint: Path) -> Path:
     """A step-N folder as given, or the newest complete one in a checkpoint folder; ConfigError otherwise."""
     checkpoint = Path(checkpoint)
-    if not (checkpoint / ".metadata").exists() and step_folders(checkpoint):
+    valid = "valid: a step-N checkpoint folder, or the checkpoint folder holding them (the newest is used)"
+    if (checkpoint / ".metadata").exists():
+        return checkpoint
+    if steps := step_folders(checkpoint):
         info = newest_usable(checkpoint, {"model"})
         if info is None:
-            raise ConfigError(f"--checkpoint {checkpoint}: no complete checkpoint in it")
-        checkpoint = info.path
-    return checkpoint
+            names = ", ".join(p.name for _, p in sorted(steps.items()))
+            raise ConfigError(f"--checkpoint {checkpoint} holds no complete checkpoint with a model ({names}); {valid}")
+        return info.path
+    if not checkpoint.exists():
+        raise ConfigError(f"--checkpoint {checkpoint} does not exist; {valid}")
+    if is_hf_folder(checkpoint):
+        raise ConfigError(
+            f"--checkpoint {checkpoint} is a HuggingFace model folder, not a titanlite checkpoint: it needs no "
+            f"export (use it as checkpoint.initial_load_path, or with generate --checkpoint); {valid}"
+        )
+    return checkpoint  # read_metadata says what is missing
 
 
 def export(checkpoint: Path, output: Path, dtype: str | None = None) -> dict[str, torch.Tensor]:
@@ -95,9 +124,12 @@ def export(checkpoint: Path, output: Path, dtype: str | None = None) -> dict[str
     }
     if not flat:
         raise ConfigError(f"--checkpoint {checkpoint} holds no model tensors")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        safe_dcp_load(flat, checkpoint, no_dist=True)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            safe_dcp_load(flat, checkpoint, no_dist=True)
+    except CheckpointException as e:
+        raise unreadable(checkpoint, e) from None
     cast = TORCH_DTYPES[dtype] if dtype else None
     sd = {k[len(prefix) :]: (v.to(cast) if cast and v.is_floating_point() else v) for k, v in flat.items()}
     write_atomically(Path(output), False, lambda tmp: torch.save(sd, tmp))

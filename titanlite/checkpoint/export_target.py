@@ -1,4 +1,5 @@
-"""Where an export writes: never over an existing model unless asked, never a half-written or mixed output.
+"""Where an export writes: never over an existing model unless asked, never over a folder of other things or
+the checkpoint being exported, never a half-written or mixed output.
 
 An export is written into a temporary sibling of the output (created with the usual permissions, not a
 private temp folder's), then moved into place in one rename. With `--overwrite` the old output is moved
@@ -19,23 +20,49 @@ from titanlite.errors import ConfigError
 MODEL_FILES = ("*.safetensors", "*.bin", "*.pt", "config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-def check_target(output: Path, folder: bool, overwrite: bool) -> None:
-    """ConfigError when writing `output` (a folder for hf, else a file) would replace or mix with what is there."""
+def check_target(output: Path, folder: bool, overwrite: bool, checkpoint: Path | None = None) -> None:
+    """ConfigError when writing `output` (a folder for hf, else a file) would replace or mix with what is there,
+    replace the `checkpoint` being exported, or cannot be done where it is."""
     kind = "folder" if folder else "file"
+    if checkpoint is not None and (out := output.resolve()) in (src := Path(checkpoint).resolve(), *src.parents):
+        what = "the checkpoint" if out == src else "a folder holding the checkpoint"
+        raise ConfigError(
+            f"--output {output} is {what} being exported (--checkpoint {checkpoint}): the export would replace "
+            f"it; choose another --output"
+        )
+    place = output.absolute().parent
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir():
+        raise ConfigError(
+            f"--output {output} cannot be created: {place} is a file, not a folder; choose another --output"
+        )
+    if not os.access(place, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--output {output} cannot be written: the folder {place} is read-only; choose another --output"
+        )
     if output.exists() and output.is_dir() != folder:
         raise ConfigError(
             f"--output {output} is a {'folder' if output.is_dir() else 'file'}, but this export writes a {kind}; "
             f"choose another --output"
         )
-    if not output.exists() or overwrite:
+    if not output.exists():
         return
     if not folder:
+        if overwrite:
+            return
         raise ConfigError(
             f"--output {output} already exists ({output.stat().st_size:,} bytes); pass --overwrite to replace it, "
             "or choose another --output"
         )
     held = sorted({p.name for pattern in MODEL_FILES for p in output.glob(pattern)})
-    if held:
+    if not held and (others := sorted(p.name for p in output.iterdir())):
+        raise ConfigError(
+            f"--output {output} holds {', '.join(others[:4])}{', ...' if len(others) > 4 else ''} and no model: an "
+            "export replaces its folder whole, so it writes only into a new or empty folder, or over a model "
+            "folder with --overwrite; choose another --output"
+        )
+    if held and not overwrite:
         raise ConfigError(
             f"--output {output} already holds a model ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "
             "pass --overwrite to replace the whole folder, or choose another --output"

@@ -18,9 +18,11 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
+from titanlite.checkpoint.consolidated import unreadable
 from titanlite.checkpoint.hf_adapter import (
     half_split_to_interleaved,
     hf_shapes,
@@ -51,9 +53,37 @@ def _safetensors():
         ) from e
 
 
+def read_index(folder: pathlib.Path) -> dict[str, str] | None:
+    """The weight_map (tensor name -> file name) of a folder's model.safetensors.index.json, None without one;
+    ConfigError naming the index when it is not JSON, has no weight_map, or names a file that is not there."""
+    path = folder / INDEX
+    if not path.is_file():
+        return None
+    expected = 'a JSON object {"weight_map": {tensor name: file name}} as save_pretrained writes'
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read as JSON ({e}); expected {expected}") from None
+    weights = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weights, dict) or not all(
+        isinstance(v, str) and pathlib.PurePath(v).name == v for v in weights.values()
+    ):
+        raise ConfigError(f"{path} has no valid weight_map; expected {expected}, file names without folders")
+    absent = sorted({f for f in weights.values() if not (folder / f).is_file()})
+    if absent:
+        first = next(n for n, f in weights.items() if f == absent[0])
+        raise ConfigError(
+            f"{path} names {len(absent)} file(s) that are not in {folder}: {', '.join(absent[:3])} (with {first}, "
+            "...); download or copy the missing files"
+        )
+    return weights
+
+
 def read_hf_tensors(folder: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor in a folder's *.safetensors files: name -> (file name, shape); ConfigError for a bad file."""
+    """Every tensor in a folder's *.safetensors files: name -> (file name, shape); ConfigError for a bad file,
+    a tensor in two files, or an index that does not say where the tensors are."""
     st = _safetensors()
+    weights = read_index(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(
@@ -64,13 +94,23 @@ def read_hf_tensors(folder: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...
     for f in files:
         try:
             with st.safe_open(str(f), framework="pt") as h:
-                for key in h.keys():
-                    out[key] = (f.name, tuple(h.get_slice(key).get_shape()))
+                found = {key: tuple(h.get_slice(key).get_shape()) for key in h.keys()}
         except Exception as e:  # safetensors raises its own SafetensorError for truncated or foreign files
             raise ConfigError(
                 f"{f} is not a readable safetensors file ({type(e).__name__}: {e}); it may be "
                 f"truncated: download or export it again"
             ) from None
+        for key, shape in found.items():
+            if key in out:  # every file is read: which copy would load is a matter of chance
+                raise ConfigError(
+                    f"{folder}: tensor {key} is in both {out[key][0]} and {f.name}; remove the stale file"
+                    + (f" ({INDEX} names {weights[key]})" if weights and key in weights else "")
+                )
+            out[key] = (f.name, shape)
+    for key, name in (weights or {}).items():
+        if key not in out or out[key][0] != name:
+            where = f"it is in {out[key][0]}" if key in out else "no file holds it"
+            raise ConfigError(f"{folder / INDEX} says {key} is in {name}, but {where}; the folder is inconsistent")
     return out
 
 
@@ -240,12 +280,24 @@ def export_hf(
         for k, md in metadata.items()
         if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
-    names = {to_hf_name(n): n for n in saved if not (n == "output.weight" and args.tie_embeddings)}
+    if not saved:
+        raise ConfigError(f"--checkpoint {checkpoint} holds no model tensors")
+    try:
+        names = {to_hf_name(n): n for n in saved if not (n == "output.weight" and args.tie_embeddings)}
+    except KeyError as e:
+        raise ConfigError(f"{checkpoint} holds a tensor that is not a Llama weight ({e.args[0]})") from None
     itemsize = (dtype or next(iter(saved.values())).properties.dtype).itemsize
     mapping = file_mapping(args, itemsize, max_file_bytes)
-    missing = sorted(set(mapping) - set(names))
-    if missing:
-        raise ConfigError(f"{checkpoint} does not hold the model its config describes: missing {missing[:5]}")
+    missing, extra = sorted(set(mapping) - set(names)), sorted(set(names) - set(mapping))
+    if missing or extra:
+        what = f"missing {missing[:5]}" if missing else f"it also holds {[names[n] for n in extra[:5]]}"
+        raise ConfigError(f"{checkpoint} does not hold the model its model_args.json describes: {what}")
+    for hf, shape in hf_shapes(args).items():
+        if tuple(saved[names[hf]].size) != shape:
+            raise ConfigError(
+                f"{checkpoint} does not hold the model its model_args.json describes: {names[hf]} has shape "
+                f"{tuple(saved[names[hf]].size)} in the checkpoint but {shape} by model_args.json"
+            )
     out.mkdir(parents=True, exist_ok=True)
     files = max(mapping.values())
     weight_map, total = {}, 0
@@ -255,9 +307,12 @@ def export_hf(
             prefix + names[hf]: torch.empty(saved[names[hf]].size, dtype=saved[names[hf]].properties.dtype)
             for hf in group
         }
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            safe_dcp_load(dest, checkpoint, no_dist=True)
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                safe_dcp_load(dest, checkpoint, no_dist=True)
+        except CheckpointException as e:
+            raise unreadable(checkpoint, e) from None
         tensors = {}
         for hf in group:
             t = dest[prefix + names[hf]]

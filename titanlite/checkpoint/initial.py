@@ -8,10 +8,17 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from titanlite.checkpoint.catalog import read_metadata
-from titanlite.checkpoint.consolidated import check_model_fits, load_consolidated, model_prefix, saved_shapes
+from titanlite.checkpoint.consolidated import (
+    check_model_fits,
+    load_consolidated,
+    model_prefix,
+    saved_shapes,
+    unreadable,
+)
 from titanlite.checkpoint.hf_io import load_hf_weights
 from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.errors import ConfigError
@@ -35,7 +42,10 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
         model_sd = get_model_state_dict(model)
         prefix = model_prefix(metadata)
         check_model_fits(model_sd, saved_shapes(metadata, prefix), str(path))
-        safe_dcp_load({"model": model_sd} if prefix else model_sd, path)
+        try:
+            safe_dcp_load({"model": model_sd} if prefix else model_sd, path)
+        except CheckpointException as e:
+            raise unreadable(path, e) from None
         set_model_state_dict(model, model_sd)
     else:
         model_sd = get_model_state_dict(model)

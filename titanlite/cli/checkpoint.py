@@ -5,8 +5,8 @@
 
 DIR is a step-N folder or a checkpoint folder (its newest step). The HF export reads the model's shape
 and the tokenizer from the job_config.toml and model_args.json saved in the step folder. An existing output
-file, or a folder that holds a model, is replaced only with --overwrite (whole, never mixed); a failed
-export leaves no partial output.
+file, or a folder that holds a model, is replaced only with --overwrite (whole, never mixed); a folder holding
+anything else, or the checkpoint itself, never is; a failed export leaves no partial output.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import export, model_prefix, resolve_step
 from titanlite.checkpoint.export_target import check_target, write_atomically
+from titanlite.checkpoint.hf_adapter import hf_shapes
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_FILE_BYTES, export_hf
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
@@ -68,7 +69,14 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
             f"--checkpoint {step} has no readable model_args.json / job_config.toml (saved by titanlite since "
             f"HF export exists); export --format consolidated, or save it again with this version"
         )
-    args = args_from_dict(saved_args)
+    try:
+        args = args_from_dict(saved_args)
+        hf_shapes(args)  # every field a shape needs is there and of the right type
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise ConfigError(
+            f"{step / 'model_args.json'} does not describe a model ({type(e).__name__}: {e}); it is damaged: "
+            "export --format consolidated, or use another step"
+        ) from None
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     cast = TORCH_DTYPES[dtype] if dtype else None
     return write_atomically(
@@ -77,10 +85,12 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Export; 0 done, 2 bad input."""
+    """Export; 0 done, 1 the output could not be written (disk full, ...), 2 bad input."""
     args = _parse(argv)
     try:
-        check_target(Path(args.output), args.format == "hf", args.overwrite)
+        if args.max_shard_size <= 0:
+            raise ConfigError(f"--max-shard-size {args.max_shard_size} is not valid; expected bytes > 0")
+        check_target(Path(args.output), args.format == "hf", args.overwrite, Path(args.checkpoint))
         if args.format == "hf":
             n = export_to_hf(Path(args.checkpoint), Path(args.output), args.dtype, args.max_shard_size)
             print(f"wrote {args.output}: HuggingFace folder, {n} tensors, dtype {args.dtype or 'as saved'}")
@@ -89,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # after the checks: the disk filled up, the folder went away, ...
+        print(f"error: writing --output {args.output} failed: {e}; nothing was written there", file=sys.stderr)
+        return 1
     numel = sum(v.numel() for v in sd.values())
     print(f"wrote {args.output}: {len(sd)} tensors, {numel:,} values, dtype {args.dtype or 'as saved'}")
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -65,11 +66,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def run(argv: list[str]) -> str:
     """Parse, load, generate; returns the completion (printed by main on rank 0)."""
     args, overrides = parse_args(argv)
-    if args.max_new_tokens < 0 or args.top_k < 0 or args.temperature < 0:
-        raise ConfigError(
-            f"--max-new-tokens {args.max_new_tokens}, --top-k {args.top_k} and --temperature "
-            f"{args.temperature} must be >= 0"
-        )
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--top-k", args.top_k)):
+        if value < 0:
+            raise ConfigError(f"{flag} {value} is not valid; expected an integer >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature {args.temperature} is not valid; expected a finite number >= 0 (0 = greedy)")
     if args.checkpoint and is_hf_folder(args.checkpoint):
         # A HuggingFace folder: its config.json gives the shape, its tokenizer (if any) the tokenizer.
         hf = ["--model.flavor", "hf", "--checkpoint.initial_load_path", args.checkpoint]
@@ -82,7 +83,7 @@ def run(argv: list[str]) -> str:
     world = world_size_from_env()
     dims = ParallelDims.from_config(cfg.parallelism, world) if world > 1 else None
     ckpt_arg = args.checkpoint or str(checkpoint_folder(cfg))
-    checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg)
+    checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg, given=bool(args.checkpoint))
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
 
     if dims is None:  # one process: a plain, unsharded model and no process group

@@ -4,10 +4,14 @@ flavor, and write config.json / generation_config.json for an export."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 import pathlib
 
 from titanlite.errors import ConfigError
 from titanlite.models.llama_args import LlamaArgs, RopeScaling
+
+logger = logging.getLogger("titanlite")
 
 CONFIG = "config.json"
 # LlamaArgs field -> config.json key, for the fields a checkpoint's weights depend on.
@@ -35,7 +39,12 @@ def hf_folder(initial_load_path: str) -> pathlib.Path | None:
 
 
 def read_config(folder: str | pathlib.Path) -> dict:
-    """config.json of a model folder; ConfigError naming the file when it is missing or unreadable."""
+    """config.json of a model folder as transformers applies it to the folder's weights; ConfigError naming the
+    file when it is missing or not a JSON object.
+
+    A config that ties the embeddings while the weights hold their own, different lm_head.weight is read as
+    untied (with a warning), as transformers does: the file's lm_head is the output projection.
+    """
     path = pathlib.Path(folder).expanduser() / CONFIG
     if not path.is_file():
         raise ConfigError(
@@ -47,65 +56,202 @@ def read_config(folder: str | pathlib.Path) -> dict:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} cannot be read as JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} does not hold a JSON object")
+        raise ConfigError(f"{path} does not hold a JSON object but a {type(data).__name__}; expected {{...}}")
+    if data.get("tie_word_embeddings") is True and (found := _differing_lm_head(path.parent)):
+        if str(path) not in _WARNED_UNTIED:
+            _WARNED_UNTIED.add(str(path))
+            logger.warning(
+                f"{path} says tie_word_embeddings = true, but {found}: using that lm_head.weight as the output "
+                f"projection, untied from the embedding (as transformers does); set tie_word_embeddings to false "
+                f"in {CONFIG} to silence this warning"
+            )
+        data = {**data, "tie_word_embeddings": False}
     return data
 
 
-def args_from_config(config: dict, source: str) -> LlamaArgs:
-    """The LlamaArgs of a HuggingFace LlamaForCausalLM config; ConfigError naming a missing or foreign field."""
+_WARNED_UNTIED: set[str] = set()  # config.json files whose untied lm_head this process has warned about
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_CHUNK = 64 * 1024**2  # bytes compared at a time
 
-    def get(key, default=None):
-        if key not in config and default is None:
-            raise ConfigError(f"{source}: config.json has no {key!r}, which a Llama config needs")
-        return config.get(key, default)
 
-    archs = config.get("architectures") or ["LlamaForCausalLM"]
-    if config.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in archs:
+def _safetensors_header(file: pathlib.Path) -> tuple[int, dict]:
+    """(where the data starts, the JSON header) of a .safetensors file; ValueError or OSError when unreadable."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 100_000_000:
+            raise ValueError(f"a header of {size} bytes")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return 8 + size, header
+
+
+def _differing_lm_head(folder: pathlib.Path) -> str | None:
+    """Where the folder's lm_head.weight is, when its values differ from model.embed_tokens.weight's; None when
+    there is no lm_head, it equals the embedding, or a file is unreadable (the weights check names that file)."""
+    found = {}
+    try:
+        for file in sorted(folder.glob("*.safetensors")):
+            start, header = _safetensors_header(file)
+            for name in (EMBED, LM_HEAD):
+                if name in header:
+                    entry = header[name]
+                    begin, end = (int(x) for x in entry["data_offsets"])
+                    found[name] = (file, start + begin, end - begin, entry["dtype"], list(entry["shape"]))
+        if LM_HEAD not in found or EMBED not in found:
+            return None
+        (lm_file, lm_at, size, *lm_kind), (em_file, em_at, em_size, *em_kind) = found[LM_HEAD], found[EMBED]
+        where = f"{lm_file.name} holds an {LM_HEAD} that differs from {EMBED} (in {em_file.name})"
+        if lm_kind != em_kind or size != em_size:
+            return f"{where}: {lm_kind[0]} {lm_kind[1]} vs {em_kind[0]} {em_kind[1]}"
+        with open(lm_file, "rb") as a, open(em_file, "rb") as b:
+            a.seek(lm_at)
+            b.seek(em_at)
+            for offset in range(0, size, _CHUNK):
+                n = min(_CHUNK, size - offset)
+                if a.read(n) != b.read(n):
+                    return where
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None
+
+
+_REQUIRED = object()
+_DTYPES = ("bfloat16", "float16", "float32", "float64")
+_POSITIVE_INT = "a positive integer"
+_POSITIVE_NUMBER = "a positive number"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_positive_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _bad(file: str, key: str, value, expected: str) -> ConfigError:
+    shown = json.dumps(value)
+    return ConfigError(f"{file}: {key} = {shown[:80]} is not valid; expected {expected}")
+
+
+def _field(config: dict, key: str, file: str, default, ok, expected: str, prefix: str = ""):
+    """config[key] when ok(value); the default when it is absent or null (ConfigError when required)."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            if key in config:
+                raise _bad(file, prefix + key, value, expected)
+            raise ConfigError(f"{file} has no {prefix + key!r}, which a Llama config needs; expected {expected}")
+        return default
+    if not ok(value):
+        raise _bad(file, prefix + key, value, expected)
+    return value
+
+
+def _rope(config: dict, file: str) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the llama3 RoPE scaling, from rope_parameters (transformers 5) or rope_theta and
+    rope_scaling (transformers 4)."""
+    expected = 'an object such as {"rope_type": "llama3", "factor": 8.0, ...}, or null'
+    for key in ("rope_parameters", "rope_scaling"):
+        _field(config, key, file, None, lambda v: isinstance(v, dict), expected)
+    top_theta = _field(config, "rope_theta", file, 10000.0, _is_positive_number, _POSITIVE_NUMBER)
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    scaling, prefix = config.get(key) or {}, f"{key}."
+    theta = float(_field(scaling, "rope_theta", file, top_theta, _is_positive_number, _POSITIVE_NUMBER, prefix))
+    type_key = "rope_type" if "rope_type" in scaling else "type"
+    kind = _field(scaling, type_key, file, "default", lambda v: isinstance(v, str), "a string", prefix)
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
         raise ConfigError(
-            f"{source}: config.json describes {config.get('model_type')!r} {archs}, not a Llama "
-            f"(model_type 'llama', LlamaForCausalLM)"
+            f"{file}: {prefix}{type_key} = {kind!r}; titanlite implements 'default' and 'llama3' (Llama 3.1+)"
+        )
+    low = float(_field(scaling, "low_freq_factor", file, 1.0, _is_positive_number, _POSITIVE_NUMBER, prefix))
+    high = float(
+        _field(scaling, "high_freq_factor", file, 4.0, lambda v: _is_positive_number(v) and v > low, f"> {low}", prefix)
+    )
+    return theta, RopeScaling(
+        factor=float(_field(scaling, "factor", file, _REQUIRED, _is_positive_number, _POSITIVE_NUMBER, prefix)),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=_field(
+            scaling,
+            "original_max_position_embeddings",
+            file,
+            8192,
+            lambda v: _is_int(v) and v > 0,
+            _POSITIVE_INT,
+            prefix,
+        ),
+    )
+
+
+def args_from_config(config: dict, source: str) -> LlamaArgs:
+    """The LlamaArgs of a HuggingFace LlamaForCausalLM config (source: its folder); ConfigError naming the file,
+    the field, its value and what is valid for a missing, mistyped or foreign field."""
+    file = str(pathlib.Path(source) / CONFIG)
+
+    def positive_int(key, default=_REQUIRED):
+        return _field(config, key, file, default, lambda v: _is_int(v) and v > 0, _POSITIVE_INT)
+
+    def flag(key):
+        return _field(config, key, file, False, lambda v: isinstance(v, bool), "true or false")
+
+    archs = _field(
+        config,
+        "architectures",
+        file,
+        ["LlamaForCausalLM"],
+        lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
+        'a list of class names such as ["LlamaForCausalLM"]',
+    )
+    model_type = _field(config, "model_type", file, "llama", lambda v: isinstance(v, str), "a string")
+    if model_type != "llama" or "LlamaForCausalLM" not in archs:
+        raise ConfigError(
+            f"{file} describes {model_type!r} {archs}, not a Llama (model_type 'llama', LlamaForCausalLM)"
         )
     for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise ConfigError(f"{source}: config.json has {key} = true; titanlite's Llama has no biases")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: config.json has hidden_act = {config['hidden_act']!r}; Llama uses 'silu'")
-    dim, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    if config.get("head_dim") not in (None, dim // heads):
+        if flag(key):
+            raise ConfigError(f"{file} has {key} = true; titanlite's Llama has no biases")
+    act = _field(config, "hidden_act", file, "silu", lambda v: isinstance(v, str), "a string")
+    if act != "silu":
+        raise ConfigError(f"{file} has hidden_act = {act!r}; Llama uses 'silu'")
+    dtype_names = ", ".join(_DTYPES)
+    for key in ("torch_dtype", "dtype"):
+        _field(config, key, file, None, lambda v: v in _DTYPES, f"one of {dtype_names}")
+    dim, heads = positive_int("hidden_size"), positive_int("num_attention_heads")
+    if dim % heads or (dim // heads) % 2:
         raise ConfigError(
-            f"{source}: config.json has head_dim = {config['head_dim']}, not hidden_size / "
-            f"num_attention_heads = {dim // heads}"
+            f"{file}: hidden_size = {dim} is not valid with num_attention_heads = {heads}; expected a multiple "
+            f"of it with an even quotient (the head dimension)"
         )
-    # transformers 4 writes rope_theta and rope_scaling; transformers 5 writes both into rope_parameters.
-    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = float(scaling.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    rope_scaling = None
-    if kind != "default":
-        if kind != "llama3":
-            raise ConfigError(
-                f"{source}: config.json has rope_scaling of type {kind!r}; titanlite implements 'llama3' (Llama 3.1+)"
-            )
-        rope_scaling = RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    if _field(config, "head_dim", file, dim // heads, _is_int, _POSITIVE_INT) != dim // heads:
+        raise ConfigError(
+            f"{file}: head_dim = {config['head_dim']} is not valid; expected hidden_size / num_attention_heads "
+            f"= {dim // heads} (titanlite derives the head dimension)"
         )
-    context = int(config.get("max_position_embeddings", 8192))
+    kv_heads = positive_int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{file}: num_key_value_heads = {kv_heads} is not valid; expected a divisor of "
+            f"num_attention_heads = {heads}"
+        )
+    theta, rope_scaling = _rope(config, file)
+    context = positive_int("max_position_embeddings", 8192)
     return LlamaArgs(
         dim=dim,
-        n_layers=int(get("num_hidden_layers")),
+        n_layers=positive_int("num_hidden_layers"),
         n_heads=heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or heads),
-        vocab_size=int(get("vocab_size")),
-        intermediate_size=int(get("intermediate_size")),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        n_kv_heads=kv_heads,
+        vocab_size=positive_int("vocab_size"),
+        intermediate_size=positive_int("intermediate_size"),
+        norm_eps=float(_field(config, "rms_norm_eps", file, 1e-5, _is_positive_number, _POSITIVE_NUMBER)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
         max_seq_len=min(context, 8192),
         context_length=context,
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_embeddings=flag("tie_word_embeddings"),
     )
 
 
