@@ -1,10 +1,12 @@
 """The bad-input catalogue (config, numeric extremes, checkpoints, folders): each case ends with exit status 2,
 a message naming the key, file or value, no traceback, and nothing on disk changed (tests/bad_inputs.py)."""
 
+import shutil
+
 import pytest
 
-from bad_inputs import Case, check
-from helpers import tiny_argv
+from bad_inputs import Case, check, read_only
+from helpers import ckpt_argv, tiny_argv
 
 DUMP = "{tmp}/run"
 
@@ -14,14 +16,179 @@ def train(*extra):
     return tuple(tiny_argv(DUMP, *extra))
 
 
-CASES = [
-    Case("lr-infinite", "numeric", "train", train("--optimizer.lr", "inf"), ("optimizer.lr", "inf")),
-    Case("lr-nan", "numeric", "train", train("--optimizer.lr", "nan"), ("optimizer.lr", "nan")),
-    Case("seed-negative", "numeric", "train", train("--training.seed", "-1"), ("training.seed", "-1")),
-    Case("seq-len-huge", "numeric", "train", train("--training.seq_len", "1000000000000"), ("training.seq_len",)),
+def resume(*extra):
+    """The tiny run with checkpointing, dumping under the case's folder, plus extra."""
+    return tuple(ckpt_argv(DUMP, *extra))
+
+
+def _write(name, text):
+    return lambda tmp: (tmp / name).write_text(text)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A finished tiny run with checkpoints at steps 2 and 4."""
+    from titanlite.cli.train import main
+
+    folder = tmp_path_factory.mktemp("saved") / "run"
+    assert main(ckpt_argv(folder, "--training.steps", "4", "--checkpoint.interval", "2")) == 0
+    return folder
+
+
+def _copy_run(tmp):
+    shutil.copytree(SAVED[0], tmp / "run")
+
+
+SAVED: list = []  # the saved_run fixture's folder, for the setups of the checkpoint cases
+
+CONFIG = [
+    Case(
+        "unknown-key",
+        "config",
+        "train",
+        train("--training.stepz", "3"),
+        ("unknown key training.stepz", "did you mean 'steps'"),
+    ),
+    Case("unknown-section", "config", "train", train("--trainin.steps", "3"), ("unknown section [trainin]",)),
+    Case("bad-bool", "config", "train", train("--checkpoint.enable=maybe"), ("checkpoint.enable", "'maybe'")),
+    Case("bad-int", "config", "train", train("--training.steps", "ten"), ("training.steps", "'ten'")),
+    Case("steps-negative", "config", "train", train("--training.steps", "-5"), ("training.steps = -5",)),
+    Case("lr-zero", "config", "train", train("--optimizer.lr", "0"), ("optimizer.lr = 0.0",)),
+    Case("beta1-one", "config", "train", train("--optimizer.beta1", "1"), ("optimizer.beta1", "[0, 1)")),
+    Case("warmup-negative", "config", "train", train("--lr_scheduler.warmup_steps", "-1"), ("warmup_steps",)),
+    Case("dtype-unknown", "config", "train", train("--training.mixed_precision_param", "fp8"), ("'fp8'",)),
+    Case("flavor-unknown", "config", "train", train("--model.flavor", "huge"), ("model.flavor = 'huge'",)),
+    Case(
+        "global-batch-not-a-multiple",
+        "config",
+        "train",
+        train("--training.global_batch_size", "12"),
+        ("training.global_batch_size = 12",),
+    ),
+    Case("gradient-sync-unknown", "config", "train", train("--parallelism.gradient_sync", "x"), ("gradient_sync",)),
+    Case("config-file-missing", "config", "train", train("--job.config_file", "{tmp}/nope.toml"), ("nope.toml",)),
+    Case(
+        "config-file-not-toml",
+        "config",
+        "train",
+        train("--job.config_file", "{tmp}/bad.toml"),
+        ("bad.toml", "not valid TOML"),
+        setup=_write("bad.toml", "[training\nsteps = 3\n"),
+    ),
+    Case(
+        "config-file-unknown-key",
+        "config",
+        "train",
+        train("--job.config_file", "{tmp}/typo.toml"),
+        ("stepz",),
+        setup=_write("typo.toml", "[training]\nstepz = 3\n"),
+    ),
+    Case(
+        "config-file-wrong-type",
+        "config",
+        "train",
+        train("--job.config_file", "{tmp}/type.toml"),
+        ("training.seq_len",),
+        setup=_write("type.toml", '[training]\nseq_len = "long"\n'),
+    ),
+    Case("tokenizer-missing", "config", "train", train("--model.tokenizer_path", "{tmp}/tok.json"), ("tok.json",)),
+    Case("world-size-bad", "config", "config", ("--world-size", "0"), ("--world-size '0'",)),
+]
+
+NUMERIC = [
+    Case("lr-infinite", "numeric", "train", train("--optimizer.lr", "inf"), ("optimizer.lr = 'inf'", "finite")),
+    Case("lr-nan", "numeric", "train", train("--optimizer.lr", "nan"), ("optimizer.lr = 'nan'", "finite")),
+    Case("max-norm-infinite", "numeric", "train", train("--training.max_norm", "inf"), ("training.max_norm",)),
+    Case("seed-negative", "numeric", "train", train("--training.seed", "-1"), ("training.seed = -1",)),
+    Case("seed-huge", "numeric", "train", train("--training.seed", str(2**64)), ("training.seed",)),
+    Case(
+        "seq-len-no-machine-holds",
+        "numeric",
+        "train",
+        train("--training.seq_len", "1000000000000"),
+        ("training.seq_len = 1,000,000,000,000", "--dry-run"),
+    ),
+    Case(
+        "local-batch-no-machine-holds",
+        "numeric",
+        "train",
+        train("--training.local_batch_size", "10000000000000"),
+        ("training.local_batch_size = 10000000000000",),
+    ),
+    Case("hang-timeout-infinite", "numeric", "train", train("--training.hang_timeout_seconds", "inf"), ("finite",)),
+]
+
+CHECKPOINTS = [
+    Case(
+        "load-step-missing",
+        "checkpoint",
+        "train",
+        resume("--checkpoint.load_step", "3"),
+        ("checkpoint.load_step = 3",),
+        setup=_copy_run,
+    ),
+    Case(
+        "resume-another-model",
+        "checkpoint",
+        "train",
+        resume("--model.flavor", "debugmodel", "--training.steps", "8"),
+        ("{tmp}/run/checkpoint/step-4",),
+        setup=_copy_run,
+    ),
+    Case(
+        "initial-load-missing",
+        "checkpoint",
+        "train",
+        train("--checkpoint.initial_load_path", "{tmp}/weights"),
+        ("checkpoint.initial_load_path", "{tmp}/weights"),
+    ),
+    Case(
+        "initial-load-not-a-checkpoint",
+        "checkpoint",
+        "train",
+        train("--checkpoint.initial_load_path", "{tmp}/notes.txt"),
+        ("checkpoint.initial_load_path", "notes.txt"),
+        setup=_write("notes.txt", "not weights"),
+    ),
+    Case(
+        "load-step-truncated",
+        "checkpoint",
+        "train",
+        resume("--checkpoint.load_step", "4", "--training.steps", "8"),
+        ("checkpoint.load_step = 4", "its .metadata cannot be read"),
+        setup=lambda tmp: (_copy_run(tmp), (tmp / "run/checkpoint/step-4/.metadata").write_bytes(b"x")),
+    ),
+]
+
+FOLDERS = [
+    Case(
+        "dump-folder-is-a-file",
+        "filesystem",
+        "train",
+        train("--job.dump_folder", "{tmp}/file"),
+        ("job.dump_folder", "{tmp}/file"),
+        setup=_write("file", "a file"),
+    ),
+    Case(
+        "dump-folder-read-only",
+        "filesystem",
+        "train",
+        train("--job.dump_folder", "{tmp}/ro/run"),
+        ("job.dump_folder", "{tmp}/ro"),
+        setup=lambda tmp: read_only(tmp / "ro"),
+    ),
+    Case(
+        "checkpoint-folder-read-only",
+        "filesystem",
+        "train",
+        resume("--training.steps", "8"),
+        ("{tmp}/run/checkpoint",),
+        setup=lambda tmp: (_copy_run(tmp), read_only(tmp / "run" / "checkpoint")),
+    ),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_bad_input(case, tmp_path, capsys):
+@pytest.mark.parametrize("case", CONFIG + NUMERIC + CHECKPOINTS + FOLDERS, ids=lambda c: c.id)
+def test_bad_input(case, tmp_path, capsys, saved_run):
+    SAVED[:] = [saved_run]
     check(case, tmp_path, capsys)

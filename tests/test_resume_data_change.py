@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from helpers import ckpt_argv
 from titanlite.cli.train import main as train
+
+from helpers import ckpt_argv
 
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 7) for i in range(120)]
 

@@ -138,10 +138,22 @@ def wanted_parts(cfg: JobConfig) -> set[str]:
     return set(CHECKPOINT_PARTS) - set(cfg.checkpoint.exclude_from_loading)
 
 
+def _check_writable(folder: Path, setting: str) -> None:
+    """ConfigError naming the setting when folder cannot be created or written to."""
+    probe = folder / f".write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{setting}: cannot write to {folder}: {e.strerror or e}; choose a writable folder") from None
+
+
 def preflight(cfg: JobConfig) -> None:
-    """Checks that need no process group: the checkpoint folder is writable, load_step and
+    """Checks that need no process group: the dump and checkpoint folders are writable, load_step and
     initial_load_path exist. Raises ConfigError, so a bad setting fails at start-up."""
     c = cfg.checkpoint
+    _check_writable(Path(cfg.job.dump_folder), f"job.dump_folder = {cfg.job.dump_folder!r}")
     if c.initial_load_path and not Path(c.initial_load_path).exists():
         raise ConfigError(
             f"checkpoint.initial_load_path = {c.initial_load_path!r} does not exist; valid: a DCP "
@@ -150,15 +162,6 @@ def preflight(cfg: JobConfig) -> None:
     if not c.enable:
         return
     folder = checkpoint_folder(cfg)
-    probe = folder / f".write-test-{socket.gethostname()}-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            f"checkpoint.folder = {c.folder!r} (under job.dump_folder = {cfg.job.dump_folder!r}): "
-            f"cannot write to {folder}: {e.strerror or e}; choose a writable folder"
-        ) from None
+    _check_writable(folder, f"checkpoint.folder = {c.folder!r} (under job.dump_folder = {cfg.job.dump_folder!r})")
     if c.load_step >= 0:
         require_step(folder, c.load_step, wanted_parts(cfg))

@@ -75,9 +75,9 @@ def _coerce(key: str, value, typ, list_ok: bool = False):
             if isinstance(value, bool):
                 raise ValueError
             number = float(value)
-            if not math.isfinite(number):
-                raise ConfigError(f"{key} = {value!r} is not valid; expected a finite number")
-            return number
+            if math.isfinite(number):
+                return number
+            raise ConfigError(f"{key} = {value!r} is not valid; expected a finite number")
         if typ is str:
             if isinstance(value, (dict, list)):
                 raise ValueError
@@ -89,6 +89,8 @@ def _coerce(key: str, value, typ, list_ok: bool = False):
             if not isinstance(value, list):
                 raise ValueError
             return [_coerce(key, v, inner) for v in value]
+    except ConfigError:
+        raise
     except (ValueError, TypeError):
         pass
     else:
