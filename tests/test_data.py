@@ -14,6 +14,8 @@ from titanlite.data.packing import PackedDataLoader
 from titanlite.data.sources import load_documents
 from titanlite.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 
+from helpers import capture_logs
+
 TINY_DOCS = [
     "The cat sat on the mat.",
     "A dog ran.",
@@ -194,6 +196,41 @@ def test_empty_dataset(tmp_path):
     (tmp_path / "empty.parquet").write_bytes(b"")
     with pytest.raises(ValueError, match=r"training\.dataset = .*no documents"):
         load_documents(str(tmp_path / "empty.parquet"))
+
+
+def test_records_without_text_are_skipped_counted_and_resume_counts_documents(tmp_path):
+    records = [{"text": None}, {"text": TINY_DOCS[0]}, {"text": 3}, {"text": TINY_DOCS[1]}, {"id": 4}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    logs = capture_logs()
+    assert list(load_documents(str(path))) == TINY_DOCS[:2]
+    text = "\n".join(logs)
+    assert "Skipped 3 records of training.dataset" in text
+    assert "2 record(s) with a null 'text' field (first: record 0)" in text  # the record without the field too
+    assert "1 record(s) with a 'text' field holding int, not text (first: record 2)" in text
+    # document k is the k-th kept record: skipping and resuming count documents, not records
+    assert list(load_documents(str(path), skip=1)) == TINY_DOCS[1:2]
+    ref, _ = global_steps(str(path), 6, 8, 2, 2, 1)
+    _, state = global_steps(str(path), 2, 8, 2, 2, 1)
+    resumed, _ = global_steps(str(path), 4, 8, 2, 1, 2, state=state)
+    assert all(torch.equal(a, b) for a, b in zip(ref[2:], resumed))
+    path.write_text(json.dumps({"text": None}) + "\n" + json.dumps({"text": {"nested": 1}}) + "\n")
+    with pytest.raises(ValueError, match=r"has no documents \(every record was skipped: .*holding dict, not text"):
+        PackedDataLoader(ByteTokenizer(), str(path), 8, 2, 1, 0, 1)
+
+
+def test_lines_that_are_not_utf8_or_not_records_are_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"line 3 of {bad} is not valid UTF-8 \(byte b'\\xe9' at column 14\)"):
+        list(load_documents(str(bad)))
+    txt = tmp_path / "bad.txt"
+    txt.write_bytes(b"one\ntwo \x80\n")
+    with pytest.raises(ValueError, match=rf"line 2 of {txt} is not valid UTF-8"):
+        list(load_documents(str(txt)))
+    bad.write_text('{"text": "ok"}\n["a", "list"]\n')
+    with pytest.raises(ValueError, match=rf"line 2 of {bad} is a JSON list, not a record"):
+        list(load_documents(str(bad)))
 
 
 # ----------------------------------------------------------------------------- packing

@@ -201,18 +201,9 @@ def test_llama3_template_masks_replies_and_eot(tmp_path):
         _encoder(tmp_path, "--data.chat_template", str(tmp_path / "nope.jinja"), tokenizer=tok)
 
 
-def test_bad_records_are_skipped_and_counted(tmp_path):
-    records = [
-        {"messages": CONVERSATION},
-        {"text": "no conversation here"},
-        {"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]},
-        {"messages": [{"role": "user", "content": "only a question"}]},
-        {"prompt": "2 + 2?", "response": "4", "system": "Math."},
-        {"messages": CONVERSATION},
-    ]
-    path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg = load(
+def _chat_cfg(tmp_path, path, *extra):
+    """Chat data from path, seq 64, global batch 2 in one microbatch, stores under tmp_path."""
+    return load(
         [
             "--data.format",
             "chat",
@@ -228,8 +219,23 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
             str(tmp_path / "stores"),
             "--data.prefetch",
             "0",
+            *extra,
         ]
     )
+
+
+def test_bad_records_are_skipped_and_counted(tmp_path):
+    records = [
+        {"messages": CONVERSATION},
+        {"text": "no conversation here"},
+        {"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        {"messages": [{"role": "user", "content": "only a question"}]},
+        {"prompt": "2 + 2?", "response": "4", "system": "Math."},
+        {"messages": CONVERSATION},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = _chat_cfg(tmp_path, path)
     check_data(cfg, ByteTokenizer())
     logs = capture_logs()
     loader = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1)
@@ -258,6 +264,43 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     with pytest.raises(ConfigError, match="chat data .* needs token stores"):
         check_data(
             load(["--data.format", "chat", "--training.dataset", str(path), "--data.store", "none"]), ByteTokenizer()
+        )
+
+
+def test_template_failures_name_the_template_and_rejected_records_are_skipped(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    turns = [[("user", "Hi?"), ("assistant", "Hello.")], [("user", "skip me"), ("assistant", "x")]] * 3
+    path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in t]}) + "\n" for t in turns))
+    template = tmp_path / "t.jinja"
+
+    def cfg_with(source):
+        template.write_bytes(source if isinstance(source, bytes) else source.encode())
+        return _chat_cfg(tmp_path, path, "--data.chat_template", str(template))
+
+    named = rf"the chat template from data.chat_template = '{template}' fails on record 0 of training.dataset"
+    with pytest.raises(ConfigError, match=named + r" .*\(TypeError: "):
+        check_data(cfg_with("{{ messages[0]['content'] + 1 }}"), ByteTokenizer())
+    with pytest.raises(ConfigError, match=named + r" .*\(SecurityError: access to attribute 'append'"):
+        check_data(cfg_with("{{ messages.append(1) }}"), ByteTokenizer())
+    with pytest.raises(ConfigError, match=rf"data.chat_template = '{template}' cannot be read .*UnicodeDecodeError"):
+        check_data(cfg_with(b"\xff{{ messages }}"), ByteTokenizer())
+    # raise_exception(...) in the template refuses a record: skipped and counted like other bad records
+    rejecting = (
+        "{% for m in messages %}{% if m['content'] == 'skip me' %}{{ raise_exception('no skipping') }}{% endif %}"
+        "{{ bos_token if loop.first }}{{ m['content'] }}{{ eos_token if m['role'] == 'assistant' }}{% endfor %}"
+    )
+    cfg = cfg_with(rejecting)
+    check_data(cfg, ByteTokenizer())
+    logs = capture_logs()
+    loader = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1)
+    assert loader.layouts[0].store.num_documents == 3
+    assert "3 record(s) with a conversation the chat template rejects (no skipping) (first: record 1)" in "\n".join(
+        logs
+    )
+    # a template that refuses every record leaves nothing to train on: stopped, with the reason
+    with pytest.raises(ConfigError, match=r"no document was left .*6 record\(s\) with a conversation the chat templ"):
+        build_loader(
+            cfg_with("{{ raise_exception('system turn first') }}"), ByteTokenizer(), "training", dp_rank=0, dp_degree=1
         )
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from titanlite.data.store_build import store_key, store_path
 from titanlite.data.tokenizers import ByteTokenizer
 from titanlite.errors import ConfigError
 
-from helpers import run_distributed, run_module
+from helpers import capture_logs, run_distributed, run_module, subprocess_env
 
 DOCS = [f"document {i}: " + "words of text " * (i % 7 + 1) for i in range(60)]
 
@@ -136,7 +137,7 @@ def test_mixture_follows_the_weights_and_reports_sources(tmp_path, docs_jsonl):
     assert loader.names == ["builtin", str(docs_jsonl)]
     counts = np.sum([loader.next_step().sequences_by_source for _ in range(25)], axis=0)
     assert counts.tolist() == [750, 250]
-    with pytest.raises(ConfigError, match=r"weight of 'builtin' is -1.0"):
+    with pytest.raises(ConfigError, match=r"weight of 'builtin' is -1; valid: a finite number > 0"):
         check_data(_cfg(tmp_path, "builtin:-1"), ByteTokenizer())
     with pytest.raises(ConfigError, match="needs token stores"):
         check_data(_cfg(tmp_path, f"builtin,{docs_jsonl}", "--data.store", "none"), ByteTokenizer())
@@ -327,3 +328,195 @@ def test_global_counts_are_exact_and_per_rank_work_follows_the_local_batch(tmp_p
             assert step.global_tokens == sum(loader.layouts[s].real_tokens(j) for s, j in everything)
             per_source = [sum(1 for s, _ in everything if s == i) for i in range(len(loader.layouts))]
             assert step.sequences_by_source == per_source
+
+
+# ----------------------------------------------------------------------------- careless inputs (issue 19)
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf", "-1", "0", "x", ""])
+def test_mixture_weights_must_be_finite_positive_numbers(tmp_path, docs_jsonl, weight):
+    value = f"builtin:1,{docs_jsonl}:{weight}"
+    with pytest.raises(ConfigError) as e:
+        check_data(_cfg(tmp_path, value), ByteTokenizer())
+    message = str(e.value)
+    assert message.startswith(f"training.dataset = {value!r}: the weight of '{docs_jsonl}' is ")
+    assert weight in message and "valid: a finite number > 0" in message
+
+
+def test_a_weight_too_small_to_ever_be_used_is_refused(tmp_path, docs_jsonl):
+    with pytest.raises(ConfigError, match=rf"the weight of '{docs_jsonl}' is 1e-05, too small for any of every 10,000"):
+        check_data(_cfg(tmp_path, f"builtin:1,{docs_jsonl}:0.00001"), ByteTokenizer())
+    check_data(_cfg(tmp_path, f"builtin:1,{docs_jsonl}:0.0001"), ByteTokenizer())  # 1 sequence in 10,000
+
+
+def test_the_same_dataset_twice_in_a_mixture_is_refused(tmp_path, docs_jsonl, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for value, named in [
+        ("docs.jsonl:1,./docs.jsonl:2", "./docs.jsonl"),  # one file, two spellings
+        (f"builtin:3,docs.jsonl:1,{docs_jsonl}:1", str(docs_jsonl)),
+        ("builtin,builtin", "builtin"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"training.dataset = '{value}' names the dataset '{named}' twice"):
+            check_data(_cfg(tmp_path, value), ByteTokenizer())
+    held_out = ["--validation.enable", "--validation.dataset", "docs.jsonl,builtin,docs.jsonl"]
+    with pytest.raises(ConfigError, match=r"validation.dataset = .* names the dataset 'docs.jsonl' twice"):
+        check_data(_cfg(tmp_path, "builtin", *held_out), ByteTokenizer())
+    # another split or text field is another dataset: a held-out mixture may name a training dataset
+    (tmp_path / "other.jsonl").write_text(json.dumps({"text": "x", "body": "y"}) + "\n")
+    check_data(_cfg(tmp_path, "docs.jsonl:1,other.jsonl:1"), ByteTokenizer())
+
+
+def test_records_without_text_are_skipped_and_counted(tmp_path):
+    records = [{"text": "first"}, {"text": None}, {"text": 7}, {"text": "second"}, {"text": ["a"]}, {"text": None}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    logs = capture_logs()
+    cfg = _cfg(tmp_path, path, "--data.shuffle", "false", seq_len=7, global_batch=2, local_batch=2)
+    loader = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1)
+    store = loader.layouts[0].store
+    assert store.num_documents == 2
+    assert ByteTokenizer().decode(store.tokens(0, store.num_tokens).tolist()) == "firstsecond"
+    text = "\n".join(logs)
+    assert "Skipped 4 records" in text
+    assert "2 record(s) with a null 'text' field (first: record 1)" in text
+    assert "1 record(s) with a 'text' field holding int, not text (first: record 2)" in text
+    assert "1 record(s) with a 'text' field holding list, not text (first: record 4)" in text
+    # the streaming path skips the same records: the same sequences
+    stream = PackedDataLoader(ByteTokenizer(), str(path), 7, 2, 2, 0, 1)
+    assert torch.equal(_windows(loader.next_step()), _windows(stream.next_step()))
+    # a dataset with no text left is refused before the run, with the reasons
+    path.write_text(json.dumps({"text": None}) + "\n" + json.dumps({"text": 1}) + "\n")
+    with pytest.raises(ConfigError, match=r"has no documents \(every record was skipped: 1 record\(s\) with a null"):
+        check_data(cfg, ByteTokenizer())
+
+
+def test_the_cache_key_sees_edits_that_keep_the_size_and_the_modification_time(tmp_path, docs_jsonl):
+    """cp -p, touch -r and rsync -t keep the mtime: the key must still change, and the store be rebuilt."""
+    cfg = _cfg(tmp_path, docs_jsonl, "--data.shuffle", "false")
+    first = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1).layouts[0].store
+    before = os.stat(docs_jsonl)
+    data = docs_jsonl.read_bytes()
+    docs_jsonl.write_bytes(data.replace(b"document 1:", b"DOCUMENT 1:"))  # in place, same size
+    os.utime(docs_jsonl, ns=(before.st_atime_ns, before.st_mtime_ns))  # what cp -p and touch -r do
+    assert os.stat(docs_jsonl).st_size == before.st_size and os.stat(docs_jsonl).st_mtime_ns == before.st_mtime_ns
+    second = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1).layouts[0].store
+    assert second.path != first.path
+    assert b"DOCUMENT 1:" in bytes(second.tokens(0, second.num_tokens).astype(np.uint8))
+    # a copy with the old modification time over the file (a new inode): a new key again
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(data)
+    os.utime(copy, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.replace(copy, docs_jsonl)
+    assert _store_of(cfg) not in (first.path, second.path)
+
+
+def test_the_cache_key_reads_a_bounded_sample_of_each_file(tmp_path, monkeypatch):
+    """Sampled blocks (start, middle, end) of each file: O(1) in the file's size, and a change in a block is seen."""
+    from titanlite.data import datasets_io
+    from titanlite.data.datasets_io import DatasetSpec, fingerprint
+
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB, sparse
+    read = []
+    real_open = open
+
+    class Counted:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def seek(self, *args):
+            return self.f.seek(*args)
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read.append(len(data))
+            return data
+
+    monkeypatch.setattr(datasets_io, "open", lambda *a, **k: Counted(real_open(*a, **k)), raising=False)
+    key = fingerprint(DatasetSpec(str(big)))
+    assert sum(read) <= 3 * 64 * 1024
+    monkeypatch.undo()
+    st = os.stat(big)
+    with open(big, "r+b") as f:
+        f.seek((1 << 30) - 10)
+        f.write(b"x")
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert fingerprint(DatasetSpec(str(big))) != key
+
+
+def test_a_finished_build_removes_killed_builds_and_keeps_live_ones(tmp_path, docs_jsonl):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from titanlite.data.store_build import ORPHAN_AGE, remove_orphans
+
+    cfg = _cfg(tmp_path, docs_jsonl)
+    final = _store_of(cfg)
+    # a build killed half-way: its folder made by new_build_dir, a part file half-written, then SIGKILL
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, pathlib, sys; from titanlite.data.store_build import build_tag, new_build_dir; "
+            "b = new_build_dir(pathlib.Path(sys.argv[1]), build_tag()); "
+            "(b / 'tokens-00000.bin').write_bytes(bytes(100)); print(b, flush=True); os.kill(os.getpid(), 9)",
+            str(final),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    orphan = pathlib.Path(killed.stdout.strip())
+    assert orphan.is_dir() and orphan.parent == final.parent
+    dead_pid = int(orphan.name.rsplit("-", 1)[1])
+    host = socket.gethostname()
+
+    def build_folder(tag, age=0.0):
+        folder = final.parent / f".build-{final.name}-{tag}"
+        folder.mkdir()
+        (folder / "tokens-00000.bin").write_bytes(b"\0" * 10)
+        for p in (folder / "tokens-00000.bin", folder):
+            os.utime(p, (time.time() - age, time.time() - age))
+        return folder
+
+    live = build_folder(f"{host}-{os.getppid()}")  # a live process of this host: a concurrent build
+    old_remote = build_folder(f"other-node-7-{dead_pid}", age=ORPHAN_AGE + 60)
+    recent_remote = build_folder(f"other-node-7-{dead_pid}0", age=60)  # maybe a live build on another node
+    other_store = final.parent / f".build-{final.name}x-{host}-{dead_pid}"
+    other_store.mkdir()
+    build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1)
+    assert (final / "store.json").is_file()
+    assert not orphan.exists() and not old_remote.exists()
+    assert live.exists() and recent_remote.exists() and other_store.exists()
+    mine = build_folder(f"{host}-{os.getpid()}")  # this very process, building
+    assert remove_orphans(final) == [] and mine.exists()
+
+
+def test_a_failed_build_leaves_no_build_folder(tmp_path):
+    path = tmp_path / "null.jsonl"
+    path.write_text(json.dumps({"text": None}) + "\n")
+    with pytest.raises(ConfigError, match="no document was left to train on"):
+        build_loader(_cfg(tmp_path, path), ByteTokenizer(), "training", dp_rank=0, dp_degree=1)
+    assert list((tmp_path / "stores").iterdir()) == []
+
+
+def test_a_store_folder_that_cannot_be_written_is_named_before_the_run(tmp_path, docs_jsonl):
+    from bad_inputs import _restore_permissions, read_only
+
+    read_only(tmp_path / "stores")
+    try:
+        with pytest.raises(ConfigError, match=rf"data.store_folder = '{tmp_path}/stores': .* cannot be written"):
+            check_data(_cfg(tmp_path, docs_jsonl), ByteTokenizer())
+    finally:
+        _restore_permissions(tmp_path)

@@ -11,21 +11,26 @@ training.dataset at DIR. Exit status 0 built (or already there), 2 bad input.
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing as mp
 import os
 import pathlib
-import socket
+import shutil
 import sys
 import time
 
+from titanlite.data.builtin_corpus import cache_setting, check_writable
 from titanlite.data.datasets_io import TEXT_UNITS, DatasetSpec, open_table
 from titanlite.data.encoders import TextEncoder
 from titanlite.data.store import MANIFEST, TokenStore, token_dtype
 from titanlite.data.store_build import (
     Progress,
     build_part,
+    build_tag,
     cache_root,
+    describe_skips,
     finalize,
+    merge_skips,
     new_build_dir,
     store_key,
     store_path,
@@ -33,6 +38,8 @@ from titanlite.data.store_build import (
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.metrics import setup_logging
+
+logger = logging.getLogger("titanlite")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -90,28 +97,47 @@ def prepare(args: argparse.Namespace) -> TokenStore:
         return store
     if final.exists() and any(final.iterdir()):
         raise ConfigError(f"--output {final} exists and is not a token store; choose an empty or new folder")
+    if args.output:
+        setting = f"--output {args.output}"
+    elif args.store_folder:
+        setting = f"--store-folder {args.store_folder}"
+    else:
+        setting = cache_setting("where token stores go unless --store-folder or --output names another folder")
+    check_writable(final.parent, setting)
     table = open_table(spec)  # once here, so the workers find the Arrow cache built
-    build_dir = new_build_dir(final, f"{socket.gethostname()}-{os.getpid()}")
+    build_dir = new_build_dir(final, build_tag(), setting)
+    try:
+        return _build(args, spec, tokenizer, encoder, table, build_dir, final, key)
+    except BaseException:
+        shutil.rmtree(build_dir, ignore_errors=True)  # a failed build leaves nothing behind
+        raise
+
+
+def _build(args, spec, tokenizer, encoder, table, build_dir, final, key) -> TokenStore:
     t0 = time.perf_counter()
     workers = min(args.workers, len(table))
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager, ctx.Pool(workers) as pool:
-        q = manager.Queue()
-        results = [pool.apply_async(_worker, (args, str(build_dir), w, workers, q)) for w in range(workers)]
-        progress = Progress(len(table), f"tokenizing with {workers} worker(s)", enabled=True)
-        while not all(r.ready() for r in results) or not q.empty():
-            try:
-                progress.update(*q.get(timeout=0.2))
-            except Exception:  # queue.Empty from the manager's proxy
-                pass
-        progress.close()
-        stats = [r.get() for r in results]
+    progress = Progress(len(table), f"tokenizing with {workers} worker(s)", enabled=True)
+    if workers == 1:  # in this process: no pool to start
+        stats = [build_part(table, encoder, token_dtype(tokenizer.vocab_size), build_dir, 0, 1, progress)]
+    else:
+        ctx = mp.get_context("spawn")
+        with ctx.Manager() as manager, ctx.Pool(workers) as pool:
+            q = manager.Queue()
+            results = [pool.apply_async(_worker, (args, str(build_dir), w, workers, q)) for w in range(workers)]
+            while not all(r.ready() for r in results) or not q.empty():
+                try:
+                    progress.update(*q.get(timeout=0.2))
+                except Exception:  # queue.Empty from the manager's proxy
+                    pass
+            stats = [r.get() for r in results]
+    progress.close()
     seconds = time.perf_counter() - t0
     source = {
+        "skipped": merge_skips(stats),
         "dataset": spec.name,
         "split": spec.split,
         "text_field": spec.text_field,
-        "key": "training.dataset",
+        "key": spec.key,
         "config_name": spec.config_name,
         "tokenizer": tokenizer.identity,
         "tokenizer_path": str(getattr(tokenizer, "path", "")),
@@ -121,6 +147,9 @@ def prepare(args: argparse.Namespace) -> TokenStore:
         build_dir, final, workers, key, source, token_dtype(tokenizer.vocab_size), encoder.has_mask, seconds
     )
     tokens = sum(s["tokens"] for s in stats)
+    if source["skipped"]:
+        skipped = sum(s["skipped"] for s in stats)
+        logger.warning(f"Skipped {skipped:,} records of --dataset {spec.name!r}: {describe_skips(source['skipped'])}")
     print(
         f"wrote token store {final}: {store.num_documents:,} documents, {tokens:,} tokens in {seconds:.1f} s "
         f"({tokens / seconds:,.0f} tokens/s, {tokens / seconds / workers:,.0f} per worker, {workers} worker(s))"

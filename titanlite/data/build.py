@@ -8,26 +8,29 @@ the process group exists, because a missing store is built by all ranks together
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pathlib
-import socket
+import shutil
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from titanlite.config import JobConfig
-from titanlite.data.chat import ChatEncoder
+from titanlite.data.builtin_corpus import cache_setting, check_writable
+from titanlite.data.chat import ChatEncoder, TemplateRejected
 from titanlite.data.datasets_io import BUILTIN, DatasetSpec, has_split, is_local, open_table
 from titanlite.data.encoders import TextEncoder
 from titanlite.data.loader import Prefetcher, StoreDataLoader
 from titanlite.data.packing import PackedDataLoader
-from titanlite.data.sequences import PackedLayout, WindowLayout
+from titanlite.data.sequences import BLEND_PERIOD, PackedLayout, WindowLayout, blend_quota
 from titanlite.data.sources import DocumentSource
 from titanlite.data.store import MANIFEST, TokenStore, token_dtype
 from titanlite.data.store_build import (
     Progress,
     build_part,
+    build_tag,
     cache_root,
     describe_skips,
     finalize,
@@ -44,6 +47,9 @@ logger = logging.getLogger("titanlite")
 BUILD_TIMEOUT = timedelta(hours=72)  # a collective build may take long; the default collective timeout would not do
 
 
+VALID_WEIGHT = "valid: a finite number > 0 after the last ':' (e.g. 'a.jsonl:0.7,b.jsonl:0.3')"
+
+
 def parse_mixture(value: str, key: str) -> list[tuple[str, float]]:
     """'a:0.7,b:0.3' (or one name) -> [(name, weight)]; ConfigError naming the key for a bad entry."""
     out = []
@@ -54,24 +60,67 @@ def parse_mixture(value: str, key: str) -> list[tuple[str, float]]:
         try:
             w = float(weight) if sep else 1.0
         except ValueError:
-            name, w = item, 1.0  # a colon that is part of the name
+            if not pathlib.Path(item).expanduser().exists():
+                raise ConfigError(
+                    f"{key} = {value!r}: the weight of {name!r} is {weight!r}, not a number; {VALID_WEIGHT} "
+                    f"(a name that holds ':' must be an existing file or folder)"
+                ) from None
+            name, w = item, 1.0  # a colon that is part of an existing file's name
         if not sep:
             name = item
-        if w <= 0:
-            raise ConfigError(f"{key} = {value!r}: the weight of {name!r} is {w}; weights must be > 0")
+        if not math.isfinite(w) or w <= 0:
+            raise ConfigError(f"{key} = {value!r}: the weight of {name!r} is {weight}; {VALID_WEIGHT}")
         out.append((name, w))
     if not out:
         raise ConfigError(f"{key} = {value!r} names no dataset")
     return out
 
 
+def _identity(spec: DatasetSpec) -> tuple:
+    """What makes two entries of a mixture the same dataset: the resolved path of a local one (or the name of an
+    embedded or Hub one), its split, text field, Hub config and text unit."""
+    path = pathlib.Path(spec.name).expanduser()
+    where = os.path.realpath(path) if spec.name not in BUILTIN and path.exists() else spec.name
+    return (where, spec.split, spec.text_field, spec.config_name, spec.text_unit)
+
+
+def check_distinct(specs: list[tuple[DatasetSpec, float]], value: str, key: str) -> None:
+    """ConfigError naming the dataset when a mixture names one dataset twice."""
+    seen: dict[tuple, str] = {}
+    for spec, _ in specs:
+        identity = _identity(spec)
+        if identity in seen:
+            same = f" ({seen[identity]!r} and {spec.name!r} are the same file)" if seen[identity] != spec.name else ""
+            raise ConfigError(
+                f"{key} = {value!r} names the dataset {spec.name!r} twice{same}; valid: each dataset once in a "
+                f"mixture, with its weight (weights need not add up to 1)"
+            )
+        seen[identity] = spec.name
+
+
+def check_shares(specs: list[tuple[DatasetSpec, float]], value: str, key: str) -> None:
+    """ConfigError naming the dataset whose weight is too small for it ever to be trained on."""
+    if len(specs) < 2:
+        return
+    for (spec, w), slots in zip(specs, blend_quota([w for _, w in specs])):
+        if slots == 0:
+            raise ConfigError(
+                f"{key} = {value!r}: the weight of {spec.name!r} is {w:g}, too small for any of every "
+                f"{BLEND_PERIOD:,} sequences to come from it; {VALID_WEIGHT}, more than 1/{2 * BLEND_PERIOD:,} of "
+                f"the sum of the weights"
+            )
+
+
 def training_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
     """The training datasets and their weights."""
     t = cfg.training
-    return [
+    specs = [
         (DatasetSpec(name, t.dataset_split, _text_field(cfg), t.dataset_config, cfg.data.text_unit), w)
         for name, w in parse_mixture(t.dataset, "training.dataset")
     ]
+    check_distinct(specs, t.dataset, "training.dataset")
+    check_shares(specs, t.dataset, "training.dataset")
+    return specs
 
 
 def _text_field(cfg: JobConfig) -> str | None:
@@ -83,7 +132,7 @@ def validation_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
     """The held-out datasets: validation.dataset, or the held-out split of each training dataset."""
     v, t = cfg.validation, cfg.training
     if v.dataset:
-        return [
+        specs = [
             (
                 DatasetSpec(
                     name,
@@ -97,6 +146,9 @@ def validation_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
             )
             for name, w in parse_mixture(v.dataset, "validation.dataset")
         ]
+        check_distinct(specs, v.dataset, "validation.dataset")
+        check_shares(specs, v.dataset, "validation.dataset")
+        return specs
     out = []
     for spec, w in training_specs(cfg):
         held_out = DatasetSpec(
@@ -126,6 +178,13 @@ def prepared_store(spec: DatasetSpec) -> pathlib.Path | None:
 def stores_folder(cfg: JobConfig) -> pathlib.Path:
     """Where token stores are kept (data.store_folder, else the cache)."""
     return pathlib.Path(cfg.data.store_folder).expanduser() if cfg.data.store_folder else cache_root() / "token_stores"
+
+
+def stores_setting(cfg: JobConfig) -> str:
+    """What chose the stores folder, for messages: data.store_folder, or the cache (TITANLITE_CACHE)."""
+    if cfg.data.store_folder:
+        return f"data.store_folder = {cfg.data.store_folder!r}"
+    return cache_setting("where token stores go unless data.store_folder names another folder")
 
 
 def _check_prepared(path: pathlib.Path, spec: DatasetSpec, encoder) -> TokenStore:
@@ -164,7 +223,10 @@ def _check_first_record(cfg: JobConfig, spec: DatasetSpec, encoder) -> None:
             f"conversation ({conversation}); fields: {sorted(record)}; set data.messages_field or "
             f"data.prompt_field / data.response_field"
         )
-    encoder.encode(conversation)  # renders with the template: a template that cannot fails here
+    try:
+        encoder.encode(conversation, 0)  # renders with the template: a template that cannot fails here
+    except TemplateRejected:
+        pass  # a conversation the template refuses is skipped and counted by the build, as other bad records
 
 
 def check_data(cfg: JobConfig, tokenizer) -> None:
@@ -186,6 +248,8 @@ def check_data(cfg: JobConfig, tokenizer) -> None:
                 if (final / MANIFEST).is_file():
                     TokenStore(final)  # refuses a corrupt one with a message saying how to rebuild it
                     continue
+                if final.parent.exists():  # one that does not exist yet may be another machine's (a dry run)
+                    check_writable(final.parent, stores_setting(cfg))
             _check_first_record(cfg, spec, encoder)
 
 
@@ -195,13 +259,15 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def open_or_build_store(spec: DatasetSpec, encoder, folder: pathlib.Path) -> TokenStore:
-    """The store of `spec` in `folder`: opened when it exists, else built by every rank (each its share)."""
+def open_or_build_store(spec: DatasetSpec, encoder, folder: pathlib.Path, setting: str = "") -> TokenStore:
+    """The store of `spec` in `folder`: opened when it exists, else built by every rank (each its share).
+
+    setting: what chose the folder (for the message when it cannot be written)."""
     if (path := prepared_store(spec)) is not None:
         return _check_prepared(path, spec, encoder)
     tok = encoder.tokenizer
     rank, world = _rank_world()
-    box = [store_key(spec, tok.identity, encoder.identity), f"{socket.gethostname()}-{os.getpid()}"]
+    box = [store_key(spec, tok.identity, encoder.identity), build_tag()]
     if world > 1:
         dist.broadcast_object_list(box, src=0)  # rank 0's view decides: one key, one build folder
     key, tag = box
@@ -223,17 +289,41 @@ def open_or_build_store(spec: DatasetSpec, encoder, folder: pathlib.Path) -> Tok
         return store
     group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT) if world > 1 else None
     try:
-        return _build(spec, encoder, final, key, tag, rank, world, group)
+        return _build(spec, encoder, final, key, tag, rank, world, group, setting)
     finally:
         if group is not None:
             dist.destroy_process_group(group)
 
 
-def _build(spec, encoder, final, key, tag, rank, world, group) -> TokenStore:
+def _build(spec, encoder, final, key, tag, rank, world, group, setting) -> TokenStore:
     build_dir = final.parent / f".build-{final.name}-{tag}"
     if rank == 0:
-        new_build_dir(final, tag)
+        new_build_dir(final, tag, setting)
         logger.info(f"No token store for {spec.key} = {spec.name!r} yet: building {final} with {world} rank(s)")
+    try:
+        _tokenize(spec, encoder, final, key, build_dir, rank, world, group)
+    except BaseException:
+        if rank == 0:  # a build that failed leaves nothing behind (a killed one: see store_build.remove_orphans)
+            shutil.rmtree(build_dir, ignore_errors=True)
+        raise
+    if group is not None:
+        dist.barrier(group=group)
+    found = [(final / MANIFEST).is_file()]
+    if group is not None:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, found[0], group=group)
+        found = [all(everyone)]
+    if not found[0]:
+        raise ConfigError(
+            f"data.store_folder: the token store {final} built by rank 0 is not visible to every "
+            f"rank: put data.store_folder on a filesystem every node shares, or build the store on "
+            f"each node first with `python -m titanlite.data prepare`"
+        )
+    return TokenStore(final)
+
+
+def _tokenize(spec, encoder, final, key, build_dir, rank, world, group) -> None:
+    """Every rank tokenizes its share into build_dir; rank 0 then finalizes the store."""
     if group is not None:
         dist.barrier(group=group)
     t0 = time.perf_counter()
@@ -274,20 +364,6 @@ def _build(spec, encoder, final, key, tag, rank, world, group) -> TokenStore:
             f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9) / world:,.0f} tokens/s "
             f"per rank, {world} rank(s)){f'; skipped {skipped:,} records' if skipped else ''}"
         )
-    if group is not None:
-        dist.barrier(group=group)
-    found = [(final / MANIFEST).is_file()]
-    if group is not None:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, found[0], group=group)
-        found = [all(everyone)]
-    if not found[0]:
-        raise ConfigError(
-            f"data.store_folder: the token store {final} built by rank 0 is not visible to every "
-            f"rank: put data.store_folder on a filesystem every node shares, or build the store on "
-            f"each node first with `python -m titanlite.data prepare`"
-        )
-    return TokenStore(final)
 
 
 def build_loader(
@@ -325,7 +401,8 @@ def build_loader(
         seed = t.seed if cfg.data.shuffle and which == "training" else None
         layouts = []
         for spec, _ in specs:
-            store = open_or_build_store(spec, make_encoder(cfg, tokenizer, spec), stores_folder(cfg))
+            encoder = make_encoder(cfg, tokenizer, spec)
+            store = open_or_build_store(spec, encoder, stores_folder(cfg), stores_setting(cfg))
             if cfg.data.format == "chat":
                 layout = PackedLayout(store, t.seq_len, pad_id=tokenizer.eos_id, shuffle_seed=seed, pack_seed=t.seed)
                 if layout.truncated:

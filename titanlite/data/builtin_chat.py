@@ -19,7 +19,7 @@ import random
 import sysconfig
 import time
 
-from titanlite.data.builtin_corpus import SKIP_DIRS, cache_dir, write_jsonl_atomic
+from titanlite.data.builtin_corpus import SKIP_DIRS, cache_dir, cache_setting, check_writable, write_jsonl_atomic
 
 logger = logging.getLogger("titanlite")
 
@@ -43,6 +43,7 @@ def builtin_chat_path(split: str = "train") -> pathlib.Path:
         raise ValueError(f"builtin_chat split must be one of {SPLITS}, got {split!r}")
     paths = {s: cache_dir() / f"builtin_chat-{VERSION}{'' if s == 'train' else '.val'}.jsonl" for s in SPLITS}
     if not paths[split].exists():
+        check_writable(cache_dir(), cache_setting("where titanlite generates the built-in datasets"))
         t0 = time.perf_counter()
         conversations = generate_conversations()
         held_out = [c for i, c in enumerate(conversations) if i % _VAL_EVERY == _VAL_EVERY - 1]

@@ -19,6 +19,8 @@ import sysconfig
 import tempfile
 import time
 
+from titanlite.errors import ConfigError
+
 logger = logging.getLogger("titanlite")
 
 VERSION = "v1"
@@ -36,6 +38,34 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "titanlite"
 
 
+def cache_setting(purpose: str) -> str:
+    """What sets the cache folder, for messages: 'TITANLITE_CACHE = ... (purpose)', or the default folder, the
+    purpose and how to move it."""
+    env = os.environ.get("TITANLITE_CACHE")
+    return (
+        f"TITANLITE_CACHE = {env!r} ({purpose})"
+        if env
+        else f"the cache {cache_dir()} ({purpose}; set TITANLITE_CACHE to move it)"
+    )
+
+
+def check_writable(folder: pathlib.Path, setting: str) -> None:
+    """ConfigError naming `setting` (the key or variable that chose the folder) when `folder` cannot be created or
+    written; leaves nothing behind."""
+    existing = folder
+    try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a folder")
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ConfigError(
+            f"{setting}: {folder} cannot be written ({type(e).__name__}: {e.strerror or e}); valid: a folder "
+            f"you can write"
+        ) from None
+
+
 def builtin_corpus_path(split: str = "train") -> pathlib.Path:
     """Return the JSONL file of the built-in corpus for ``split``, generating it if needed.
 
@@ -45,6 +75,7 @@ def builtin_corpus_path(split: str = "train") -> pathlib.Path:
         raise ValueError(f"builtin corpus split must be one of {SPLITS}, got {split!r}")
     paths = _split_paths(cache_dir())
     if not paths[split].exists():
+        check_writable(cache_dir(), cache_setting("where titanlite generates the built-in datasets"))
         t0 = time.perf_counter()
         write_corpus(cache_dir())
         sizes = ", ".join(f"{name} {p.stat().st_size / 1e6:.1f} MB" for name, p in paths.items())

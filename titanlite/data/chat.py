@@ -17,10 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
-from collections import Counter
 from datetime import date
 
 from titanlite.data.datasets_io import DatasetSpec
+from titanlite.data.encoders import SkippedRecords
 from titanlite.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
@@ -35,8 +35,18 @@ BYTE_CHAT_TEMPLATE = (
 LOSS_ON = ("assistant", "last_assistant", "all")
 
 
+class TemplateRejected(ConfigError):
+    """A conversation that the chat template refuses (with `raise_exception(...)`); `reason` is the template's text."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+
 class ChatTemplate:
-    """A Jinja chat template, rendered in a sandbox as transformers does."""
+    """A Jinja chat template, rendered in a sandbox as transformers does.
+
+    origin names where it comes from (a file, a key) in messages."""
 
     def __init__(self, source: str, bos_token: str, eos_token: str, origin: str):
         import jinja2.sandbox  # lazy: only chat data renders templates (jinja2 comes with torch)
@@ -52,18 +62,35 @@ class ChatTemplate:
         self.source, self.bos_token, self.eos_token, self.origin = source, bos_token, eos_token, origin
         self.identity = hashlib.sha256(source.encode()).hexdigest()[:16]
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text."""
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "") -> str:
+        """The conversation as text; TemplateRejected when the template refuses it, ConfigError naming the template
+        (and `where`: which record) when the template fails or the sandbox blocks what it does."""
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except _Rejection as e:
+            reason = str(e)[:200]
+            raise TemplateRejected(
+                f"the chat template from {self.origin} rejects the conversation{where}: {reason}", reason
+            ) from None
+        except Exception as e:  # jinja's errors, the sandbox's SecurityError, and whatever the template's code raises
+            raise ConfigError(
+                f"the chat template from {self.origin} fails{where} ({type(e).__name__}: {str(e)[:300]}); valid: a "
+                f"template that renders any conversation of {{role, content}} messages, or data.chat_template = "
+                f"'builtin'"
+            ) from None
+
+
+class _Rejection(Exception):
+    """What the templates' raise_exception(...) raises."""
 
 
 def _raise(message):
-    raise ValueError(message)
+    raise _Rejection(message)
 
 
 def load_template(setting: str, tokenizer) -> ChatTemplate:
@@ -79,13 +106,21 @@ def load_template(setting: str, tokenizer) -> ChatTemplate:
                 f"next to it), which data.format = 'chat' needs; valid: data.chat_template = a .jinja file, or "
                 f"'builtin' for titanlite's simple template"
             )
-        return ChatTemplate(tokenizer.chat_template, bos, eos, f"{tokenizer.path.parent}/tokenizer_config.json")
+        origin = f"{tokenizer.path.parent}/tokenizer_config.json (model.tokenizer_path)"
+        return ChatTemplate(tokenizer.chat_template, bos, eos, origin)
     path = pathlib.Path(setting).expanduser()
     if not path.is_file():
         raise ConfigError(
             f"data.chat_template = {setting!r}: no such file; valid: '' (the tokenizer's), 'builtin' or a .jinja file"
         )
-    return ChatTemplate(path.read_text(encoding="utf-8"), bos, eos, str(path))
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"data.chat_template = {setting!r} cannot be read ({type(e).__name__}: {e}); valid: a UTF-8 .jinja file "
+            f"you can read"
+        ) from None
+    return ChatTemplate(source, bos, eos, f"data.chat_template = {setting!r}")
 
 
 class ChatEncoder:
@@ -98,8 +133,7 @@ class ChatEncoder:
         self.template = load_template(data_cfg.chat_template, tokenizer)
         self.fields = (data_cfg.messages_field, data_cfg.prompt_field, data_cfg.response_field, data_cfg.system_field)
         self.identity = f"chat:{self.template.identity}:{loss_on}:{':'.join(self.fields)}"
-        self.skipped: Counter = Counter()
-        self.first_skipped: dict[str, int] = {}
+        self.skipped = SkippedRecords()
 
     def conversation(self, record: dict) -> list[dict] | str:
         """The record's messages, or why it is skipped."""
@@ -126,13 +160,19 @@ class ChatEncoder:
             return "no assistant turn"
         return [{"role": m["role"], "content": m["content"]} for m in messages]
 
-    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """Tokens and loss mask of one conversation."""
+    def encode(self, messages: list[dict], index: int | None = None) -> tuple[list[int], list[int]]:
+        """Tokens and loss mask of one conversation (record `index`, for messages); TemplateRejected when the
+        template refuses it."""
+        where = "" if index is None else f" on record {index} of {self.spec.key} = {self.spec.name!r}"
+
+        def render(msgs: list[dict], add_generation_prompt: bool = False) -> str:
+            return self.template.render(msgs, add_generation_prompt, where)
+
         pieces, done = [], ""  # (text, counts in the loss)
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         for i in replies:
-            prompt = self.template.render(messages[:i], add_generation_prompt=True)
-            upto = self.template.render(messages[: i + 1])
+            prompt = render(messages[:i], add_generation_prompt=True)
+            upto = render(messages[: i + 1])
             if not prompt.startswith(done) or not upto.startswith(prompt):
                 raise ConfigError(
                     f"the chat template from {self.template.origin} does not render a conversation "
@@ -142,7 +182,7 @@ class ChatEncoder:
             trained = self.loss_on == "all" or self.loss_on == "assistant" or i == replies[-1]
             pieces += [(prompt[len(done) :], self.loss_on == "all"), (upto[len(prompt) :], trained)]
             done = upto
-        pieces.append((self.template.render(messages)[len(done) :], self.loss_on == "all"))
+        pieces.append((render(messages)[len(done) :], self.loss_on == "all"))
         tokens, mask = [], []
         for text, counts in pieces:
             ids = self.tokenizer.encode_with_specials(text)
@@ -159,14 +199,16 @@ class ChatEncoder:
         out = []
         for i in range(len(records[columns[0]]) if columns else 0):
             conv = self.conversation({c: records[c][i] for c in columns})
-            if isinstance(conv, str):
-                self.skipped[conv] += 1
-                self.first_skipped.setdefault(conv, first_index + i)
-                out.append(None)
-            else:
-                out.append(self.encode(conv))
+            if not isinstance(conv, str):
+                try:
+                    out.append(self.encode(conv, first_index + i))
+                    continue
+                except TemplateRejected as e:
+                    conv = f"a conversation the chat template rejects ({e.reason})"
+            self.skipped.add(conv, first_index + i)
+            out.append(None)
         return out
 
     def skip_report(self) -> dict[str, list[int]]:
         """{reason: [count, first record index]} of the records skipped so far."""
-        return {reason: [n, self.first_skipped[reason]] for reason, n in self.skipped.items()}
+        return self.skipped.report()

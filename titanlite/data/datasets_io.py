@@ -6,10 +6,15 @@ training / validation, valid, val, dev / test, testing, eval) as a component or 
 (`data/train-00000.parquet`, `valid.jsonl`, `test/part-0.txt`) belongs to that split; a file, or a
 folder with no such words, is one unsplit dataset, read whole for whatever split is asked. Metadata
 files (`dataset_info.json`, `state.json`, `dataset_dict.json`, hidden files) are never data.
+
+A file that cannot be read is reported naming the file and the line (`bad_record`): not UTF-8, not JSON, a
+JSON value that is not a record. `fingerprint` is what token stores (and `datasets`' Arrow copies of local
+files) are keyed by.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -68,10 +73,23 @@ class LocalData:
     files: tuple[str, ...]
 
 
+class _ReportedAnyway(logging.Filter):
+    """Drops the loaders' 'Failed to ...' error lines: the exception that follows is reported naming the file and
+    line, so the log line would only print the problem twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.ERROR and record.getMessage().startswith("Failed to"))
+
+
+_REPORTED_ANYWAY = _ReportedAnyway()
+
+
 def _datasets():
     import datasets  # lazy: a second or more to import, and the built-in corpus stream never needs it
 
     datasets.disable_progress_bars()  # titanlite logs one line per dataset opened instead
+    for loader in ("json.json", "parquet.parquet", "arrow.arrow"):
+        logging.getLogger(f"datasets.packaged_modules.{loader}").addFilter(_REPORTED_ANYWAY)
     return datasets
 
 
@@ -186,11 +204,22 @@ def _open(spec: DatasetSpec, streaming: bool):
                 ds = ds.to_iterable_dataset() if streaming else ds
             else:
                 extra = {"sample_by": TEXT_UNITS[spec.text_unit]} if local.builder == "text" else {}
+                if not streaming:  # datasets keys its Arrow copy of local files by their mtime only: key it by ours
+                    extra["name"] = f"titanlite-{fingerprint(spec)[:16]}"
                 ds = datasets.load_dataset(
                     local.builder, data_files=list(local.files), split="train", streaming=streaming, **extra
                 )
         except ConfigError:
             raise
+        except OSError as e:
+            cache = os.path.abspath(datasets.config.HF_DATASETS_CACHE)
+            if e.filename and os.path.abspath(str(e.filename)).startswith(cache + os.sep):
+                raise ConfigError(
+                    f"HF_DATASETS_CACHE = {cache!r} (where `datasets` keeps its Arrow "
+                    f"copy of {spec.key} = {spec.name!r}) cannot be written ({type(e).__name__}: {e.strerror}); "
+                    f"valid: a folder you can write, set with the HF_DATASETS_CACHE environment variable"
+                ) from None
+            raise ConfigError(f"{spec.key} = {spec.name!r}: {bad_record(local, e)}") from None
         except Exception as e:  # malformed files: name the file and the record
             raise ConfigError(f"{spec.key} = {spec.name!r}: {bad_record(local, e)}") from None
     else:
@@ -213,19 +242,31 @@ def _open(spec: DatasetSpec, streaming: bool):
 def bad_record(local: LocalData, error: BaseException) -> str:
     """Which file and record of a local dataset cannot be read (found by reading each file plainly)."""
     for f in local.files:
+        if local.builder in ("json", "text") and (problem := not_utf8(f)):
+            return problem
         try:
             if local.builder == "json" and f.endswith(".jsonl"):
                 with open(f, encoding="utf-8") as fh:
                     for line_no, line in enumerate(fh, 1):
                         if line.strip():
                             try:
-                                json.loads(line)
+                                record = json.loads(line)
                             except ValueError as e:
                                 return f"line {line_no} of {f} is not a JSON record ({e})"
+                            if not isinstance(record, dict):
+                                return (
+                                    f"line {line_no} of {f} is a JSON {type(record).__name__}, not a record "
+                                    f'(one {{"field": value, ...}} object per line)'
+                                )
+                            try:
+                                json.dumps(record, ensure_ascii=False).encode("utf-8")
+                            except UnicodeEncodeError as e:
+                                return (
+                                    f"line {line_no} of {f} holds {e.object[e.start : e.end]!r}, half of a UTF-16 "
+                                    f"surrogate pair, which is not text"
+                                )
             elif local.builder == "json":
                 json.loads(pathlib.Path(f).read_text(encoding="utf-8"))
-            elif local.builder == "text":
-                pathlib.Path(f).read_text(encoding="utf-8")
             elif local.builder == "parquet":
                 import pyarrow.parquet as pq  # lazy: comes with datasets, only needed to find a bad file
 
@@ -233,6 +274,31 @@ def bad_record(local: LocalData, error: BaseException) -> str:
         except (OSError, ValueError) as e:
             return f"{f} cannot be read as {local.builder} ({type(e).__name__}: {str(e)[:300]})"
     return f"cannot read it as {local.builder}: {type(error).__name__}: {str(error)[:500]}"
+
+
+def not_utf8(path: str) -> str | None:
+    """'line N of FILE is not valid UTF-8 (...)' for the first such line of a text file, else None."""
+    try:
+        with open(path, "rb") as fh:
+            for line_no, line in enumerate(fh, 1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return (
+                        f"line {line_no} of {path} is not valid UTF-8 (byte {line[e.start : e.start + 1]!r} at "
+                        f"column {e.start + 1}); save the file as UTF-8"
+                    )
+    except OSError as e:
+        return f"{path} cannot be read ({type(e).__name__}: {e})"
+    return None
+
+
+def read_error(spec: DatasetSpec, error: BaseException, index: int) -> ConfigError:
+    """The error to report when reading the records of a dataset fails at record `index` (a ConfigError as is)."""
+    if isinstance(error, ConfigError):
+        return error
+    where = bad_record(resolve_local(spec), error) if is_local(spec) else f"record {index}: {str(error)[:500]}"
+    return ConfigError(f"{spec.key} = {spec.name!r}: {where}")
 
 
 def open_stream(spec: DatasetSpec):
@@ -261,9 +327,9 @@ def _read_builtin(spec: DatasetSpec) -> RecordTable:
         return RecordTable([json.loads(line) for line in f if line.strip()])
 
 
-def open_table(spec: DatasetSpec):
-    """The dataset's split as a memory-mapped Arrow `datasets.Dataset` (the embedded datasets: a RecordTable)
-    with its text field checked."""
+def open_table(spec: DatasetSpec) -> RecordTable | CheckedTable:
+    """The dataset's split as a memory-mapped Arrow table (the embedded datasets: a RecordTable) with its text
+    field checked; reading records that turn out malformed raises a ConfigError naming the file and line."""
     ds = _read_builtin(spec) if spec.name in BUILTIN else _open(spec, streaming=False)
     if len(ds) == 0:
         raise ConfigError(f"{spec.key} = {spec.name!r} has no documents")
@@ -272,7 +338,25 @@ def open_table(spec: DatasetSpec):
             f"{text_field_key(spec)} = {spec.text_field!r} is not a field of the records of "
             f"{spec.key} = {spec.name!r}; fields: {sorted(ds.column_names)}"
         )
-    return ds
+    return ds if isinstance(ds, RecordTable) else CheckedTable(ds, spec)
+
+
+class CheckedTable:
+    """A `datasets.Dataset` read by row ranges (len, column_names, a slice gives columns), whose read errors (a
+    line that is not UTF-8, ...) become ConfigErrors naming the file and line."""
+
+    def __init__(self, table, spec: DatasetSpec):
+        self.table, self.spec = table, spec
+        self.column_names = table.column_names
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, rows: slice) -> dict[str, list]:
+        try:
+            return self.table[rows]
+        except Exception as e:  # Arrow decodes lazily: a bad file fails here, not when opened
+            raise read_error(self.spec, e, rows.start or 0) from None
 
 
 def text_field_key(spec: DatasetSpec) -> str:
@@ -284,20 +368,18 @@ def text_field_key(spec: DatasetSpec) -> str:
     )
 
 
-def record_text(text, spec: DatasetSpec, index: int) -> str:
-    """A record's text field as a string (None reads as empty); ConfigError naming a record that holds other data."""
+def text_problem(text, spec: DatasetSpec) -> str | None:
+    """Why a record's text field is skipped (a reason for the skip counts), or None for text."""
     if text is None:
-        return ""
+        return f"a null '{spec.text_field}' field"
     if not isinstance(text, str):
-        raise ConfigError(
-            f"{text_field_key(spec)} = {spec.text_field!r} of record {index} of {spec.key} = "
-            f"{spec.name!r} holds {type(text).__name__}, not text"
-        )
-    return text
+        return f"a '{spec.text_field}' field holding {type(text).__name__}, not text"
+    return None
 
 
 def fingerprint(spec: DatasetSpec) -> str:
-    """What identifies the dataset's content: files with their sizes and modification times, or the Hub id."""
+    """What identifies the dataset's content: per file its name, size, modification and change times, inode and
+    sampled bytes; the built-in datasets by their whole content; a Hub dataset by its name, split and config."""
     h = hashlib.sha256(repr((spec.name, spec.split, spec.text_field, spec.config_name, spec.text_unit)).encode())
     if spec.name in BUILTIN:  # regenerated per machine with the same bytes: its content, not its mtime
         h.update(pathlib.Path(resolve_local(spec).files[0]).read_bytes())
@@ -306,5 +388,26 @@ def fingerprint(spec: DatasetSpec) -> str:
             for p in [pathlib.Path(f)] if pathlib.Path(f).is_file() else sorted(pathlib.Path(f).rglob("*")):
                 if p.is_file():
                     st = p.stat()
-                    h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+                    stat = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                    h.update(f"{p.name}:{':'.join(map(str, stat))}".encode())
+                    h.update(_sampled_bytes(str(p), *stat))
     return h.hexdigest()
+
+
+SAMPLE = 64 * 1024  # bytes hashed at the start, middle and end of each file
+
+
+@functools.lru_cache(maxsize=65536)  # a job computes a key a few times: read each unchanged file's sample once
+def _sampled_bytes(path: str, size: int, *stat: int) -> bytes:
+    """The SHA-256 of the first, middle and last SAMPLE bytes of a file (all of it when small): O(1) in its size.
+
+    stat (times, inode) only keys the cache."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= 3 * SAMPLE:
+            h.update(f.read())
+        else:
+            for start in (0, (size - SAMPLE) // 2, size - SAMPLE):
+                f.seek(start)
+                h.update(f.read(SAMPLE))
+    return h.digest()

@@ -223,6 +223,19 @@ class PackedLayout:
         return self._sums[1], self._sums[2]
 
 
+BLEND_PERIOD = 10_000
+
+
+def blend_quota(weights: list[float], period: int = BLEND_PERIOD) -> np.ndarray:
+    """How many of every `period` global sequences each source gets: its rounded share (largest remainders)."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    quota = np.floor(w * period).astype(np.int64)
+    for s in np.argsort(-(w * period - quota), kind="stable")[: period - quota.sum()]:
+        quota[s] += 1
+    return quota
+
+
 class Blend:
     """Global sequence k -> (source, that source's sequence j), in proportion to the weights.
 
@@ -231,15 +244,11 @@ class Blend:
     repeats, so the position of k is found in O(1).
     """
 
-    def __init__(self, weights: list[float], period: int = 10_000):
-        w = np.asarray(weights, dtype=np.float64)
-        w = w / w.sum()
-        self.period = period if len(w) > 1 else 1
-        quota = np.floor(w * self.period).astype(np.int64)
-        for s in np.argsort(-(w * self.period - quota), kind="stable")[: self.period - quota.sum()]:
-            quota[s] += 1
-        assign, counts = np.zeros(self.period, dtype=np.int64), np.zeros(len(w), dtype=np.int64)
-        prefix = np.zeros((self.period + 1, len(w)), dtype=np.int64)
+    def __init__(self, weights: list[float], period: int = BLEND_PERIOD):
+        self.period = period if len(weights) > 1 else 1
+        quota = blend_quota(weights, self.period)
+        assign, counts = np.zeros(self.period, dtype=np.int64), np.zeros(len(quota), dtype=np.int64)
+        prefix = np.zeros((self.period + 1, len(quota)), dtype=np.int64)
         target = quota / self.period
         for i in range(self.period):
             open_ = counts < quota

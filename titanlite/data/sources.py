@@ -1,24 +1,30 @@
 """Document texts in dataset order, streamed (no token store): the built-in corpus read directly, anything
-else through `datasets` streaming (see datasets_io for what a dataset name may be)."""
+else through `datasets` streaming (see datasets_io for what a dataset name may be). Records whose text field
+is null or not a string are skipped and counted, as a token store's build does, so both give the same
+documents."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import pathlib
 from collections.abc import Iterable, Iterator
 
 from titanlite.data.datasets_io import (
     BUILTIN,
     DatasetSpec,
-    bad_record,
-    is_local,
     open_stream,
-    record_text,
+    read_error,
     resolve_local,
     text_field_key,
+    text_problem,
 )
+from titanlite.data.encoders import SkippedRecords
+from titanlite.data.store_build import describe_skips
 from titanlite.errors import ConfigError
+
+logger = logging.getLogger("titanlite")
 
 
 def load_documents(
@@ -40,6 +46,7 @@ class DocumentSource:
 
     def __init__(self, spec: DatasetSpec):
         self.spec = spec
+        self._warned = False  # the skipped records are logged once, after the first whole pass
         if spec.name in BUILTIN:
             self._path = pathlib.Path(resolve_local(spec).files[0])
         else:
@@ -52,32 +59,46 @@ class DocumentSource:
         return iter(self._records.skip(skip) if skip else self._records)
 
     def documents(self, skip: int = 0) -> Iterator[str]:
-        """The document texts from index `skip` on."""
-        return _texts(self.records(skip), self.spec, skip)
+        """The document texts from document `skip` on (records without text are not documents)."""
+        # Read from record 0 even to resume: with skipped records, document k is not record k.
+        return itertools.islice(self._texts(self.records()), skip, None)
+
+    def _texts(self, records: Iterable[dict]) -> Iterator[str]:
+        """The texts of the records; records without text are skipped, and counted and logged after a whole pass."""
+        spec = self.spec
+        records = iter(records)
+        index, yielded, skipped = 0, 0, SkippedRecords()
+        while True:
+            try:
+                record = next(records, None)
+            except Exception as e:  # malformed files only fail when they are read: name the file and the record
+                raise read_error(spec, e, index) from None
+            if record is None:
+                break
+            if spec.text_field not in record:
+                raise ConfigError(
+                    f"{text_field_key(spec)} = {spec.text_field!r} is not a field of the records of "
+                    f"{spec.key} = {spec.name!r}; fields: {sorted(record)}"
+                )
+            text = record[spec.text_field]
+            if (problem := text_problem(text, spec)) is not None:
+                skipped.add(problem, index)
+            else:
+                yielded += 1
+                yield text
+            index += 1
+        if not yielded:
+            why = f"every record was skipped: {describe_skips(skipped.report())}" if skipped else "it has no records"
+            raise ConfigError(f"{spec.key} = {spec.name!r} has no documents ({why})")
+        if skipped and not self._warned:
+            self._warned = True
+            logger.warning(
+                f"Skipped {sum(skipped.counts.values()):,} records of {spec.key} = {spec.name!r}: "
+                f"{describe_skips(skipped.report())}"
+            )
 
 
 def _read_jsonl(path: pathlib.Path, skip: int) -> Iterator[dict]:
     with open(path, encoding="utf-8") as f:
         for line in itertools.islice(f, skip, None):
             yield json.loads(line)
-
-
-def _texts(records: Iterable[dict], spec: DatasetSpec, first_index: int) -> Iterator[str]:
-    records = iter(records)
-    index = first_index
-    while True:
-        try:
-            record = next(records, None)
-        except Exception as e:  # malformed files only fail when they are read: name the file and the record
-            where = bad_record(resolve_local(spec), e) if is_local(spec) else f"record {index}: {str(e)[:500]}"
-            raise ConfigError(f"{spec.key} = {spec.name!r}: {where}") from None
-        if record is None:
-            return
-        if spec.text_field not in record:
-            raise ConfigError(
-                f"{text_field_key(spec)} = {spec.text_field!r} is not a field of the records of "
-                f"{spec.key} = {spec.name!r}; fields: {sorted(record)}"
-            )
-        text = record_text(record[spec.text_field], spec, index)
-        index += 1
-        yield text

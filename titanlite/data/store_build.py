@@ -2,9 +2,10 @@
 tokenizes one contiguous share of the documents, so each document is tokenized exactly once; the
 first worker then writes the offsets and the manifest and renames the build folder into place.
 
-Stores are found again by a cache key over the store version, the dataset's identity (files, sizes
-and modification times, or the Hub id), the tokenizer's files and the document format: a changed
-dataset or tokenizer gets a new store instead of silently reusing a stale one.
+Stores are found again by a cache key over the store version, the dataset's identity (see
+`datasets_io.fingerprint`), the tokenizer's files and the document format: a changed dataset or tokenizer
+gets a new store instead of silently reusing a stale one. Build folders are named after the builder's host and
+pid, so that a finished build can remove those left by killed builds without touching a live one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -170,9 +172,10 @@ def finalize(
     lengths = [np.load(build_dir / f"lengths-{w:05d}.npy") for w in range(workers)]
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     if len(all_lengths) == 0:
+        why = f": {describe_skips(source['skipped'])}" if source.get("skipped") else ""
         raise ConfigError(
             f"{source.get('key', 'training.dataset')} = {source['dataset']!r}: no document was "
-            f"left to train on (every record was skipped)"
+            f"left to train on (every record was skipped{why})"
         )
     offsets = np.concatenate([[0], np.cumsum(all_lengths)]).astype(np.int64)
     np.save(build_dir / OFFSETS, offsets)
@@ -202,12 +205,77 @@ def finalize(
         os.rename(build_dir, final)
     except OSError:  # another job finished the same store first: keep theirs
         shutil.rmtree(build_dir, ignore_errors=True)
+    remove_orphans(final)
     return TokenStore(final)
 
 
-def new_build_dir(final: pathlib.Path, tag: str) -> pathlib.Path:
-    """A fresh, private folder next to `final` to build into."""
+def build_tag() -> str:
+    """What names this process's build folders: its host and pid (so that orphans can be told from live builds)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def new_build_dir(final: pathlib.Path, tag: str, setting: str = "") -> pathlib.Path:
+    """A fresh, private folder next to `final` to build into; ConfigError naming `setting` (the key or variable
+    that chose the folder) when it cannot be created."""
     build = final.parent / f".build-{final.name}-{tag}"
     shutil.rmtree(build, ignore_errors=True)
-    build.mkdir(parents=True)
+    try:
+        build.mkdir(parents=True)
+    except OSError as e:
+        raise ConfigError(
+            f"{setting or final.parent}: {final.parent} cannot be written ({type(e).__name__}: {e.strerror or e}); "
+            f"valid: a folder you can write"
+        ) from None
     return build
+
+
+# Seconds after which another host's build folder, untouched, counts as abandoned (a live build may take 72 h).
+ORPHAN_AGE = 7 * 24 * 3600
+
+
+def remove_orphans(final: pathlib.Path) -> list[pathlib.Path]:
+    """Remove the build folders of `final` left by killed builds: this host's whose process is gone, other
+    hosts' untouched for ORPHAN_AGE; never a live builder's. Returns what was removed."""
+    removed = []
+    host = socket.gethostname()
+    prefix = f".build-{final.name}-"
+    try:
+        candidates = [p for p in final.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()]
+    except OSError:
+        return removed
+    for folder in candidates:
+        owner, _, pid = folder.name[len(prefix) :].rpartition("-")
+        if not pid.isdigit() or not owner:
+            continue  # not a name this module writes
+        if owner == host:
+            stale = not _alive(int(pid))
+        else:
+            stale = time.time() - _last_touched(folder) > ORPHAN_AGE
+        if stale:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        logger.info(f"Removed {len(removed)} build folder(s) of {final.name} left by killed builds")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    try:  # a zombie has exited; only its exit status waits to be collected
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux): os.kill's answer stands
+        return True
+
+
+def _last_touched(folder: pathlib.Path) -> float:
+    """The newest modification time of the folder and its files (a build appends to its part files)."""
+    try:
+        return max([folder.stat().st_mtime, *(p.stat().st_mtime for p in folder.iterdir())])
+    except OSError:
+        return time.time()
