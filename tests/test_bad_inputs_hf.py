@@ -219,7 +219,8 @@ CASES = [
          ("{tmp}/hf/tokenizer.json' is not a valid tokenizer.json",), hf(write("tokenizer.json", "{not json"))),
     Case("hf-tokenizer-missing", "hf", "generate", generate(HF, "--model.tokenizer_path", "{tmp}/hf/tokenizer.json"),
          ("model.tokenizer_path = '{tmp}/hf/tokenizer.json' does not exist",), hf()),
-    Case("hf-vocab-smaller-than-tokenizer", "hf", "generate", generate(HF), ("smaller than the tokenizer's 258",),
+    Case("hf-vocab-smaller-than-tokenizer", "hf", "generate", generate(HF),
+         ("vocab_size = 100 in {tmp}/hf/config.json is smaller than the tokenizer's 258",),
          hf(fields(vocab_size=100))),
     # checkpoints that are another model's, missing, incomplete or damaged
     Case("ckpt-another-models", "checkpoint", "generate", generate(STEP, "--model.flavor", "debugmodel"),

@@ -72,9 +72,17 @@ def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=Non
                 )
     vocab = model_cfg.vocab_size or args.vocab_size or tokenizer_vocab_size
     if vocab < tokenizer_vocab_size:
+        where = (
+            f"model.vocab_size = {vocab}"
+            if model_cfg.vocab_size
+            else f"vocab_size = {vocab} in {hf_folder}/config.json"
+            if model_cfg.flavor == HF_FLAVOR
+            else f"model.vocab_size = {vocab} (flavor {model_cfg.flavor})"
+        )
         raise ConfigError(
-            f"model.vocab_size = {vocab} (flavor {model_cfg.flavor}) is smaller than the tokenizer's "
-            f"{tokenizer_vocab_size} tokens; set model.vocab_size >= {tokenizer_vocab_size} or 0"
+            f"{where} is smaller than the tokenizer's {tokenizer_vocab_size} tokens (model.tokenizer_path = "
+            f"{model_cfg.tokenizer_path!r}); use that model's own tokenizer, or set model.vocab_size >= "
+            f"{tokenizer_vocab_size}"
         )
     return args.with_overrides(
         attention=model_cfg.attention,
