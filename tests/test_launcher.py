@@ -231,7 +231,7 @@ def test_kill_9_of_run_train_sh_stops_the_whole_job(tmp_path):
 
 def test_a_process_that_has_exited_is_not_alive_even_before_it_is_reaped():
     """An orphaned worker stays a zombie until init reaps it; its lock must already count as free."""
-    from titanlite.run_control import _pid_alive
+    from titanlite.run_control import pid_alive
 
     pid = os.fork()
     if pid == 0:
@@ -240,7 +240,7 @@ def test_a_process_that_has_exited_is_not_alive_even_before_it_is_reaped():
         deadline = time.time() + 10
         while time.time() < deadline and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             time.sleep(0.01)
-        assert not _pid_alive(pid)  # exited, not yet reaped
-        assert _pid_alive(os.getpid())
+        assert not pid_alive(pid)  # exited, not yet reaped
+        assert pid_alive(os.getpid())
     finally:
         os.waitpid(pid, 0)

@@ -37,7 +37,8 @@ def _run_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host is running (a zombie is not; another user's process is)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -67,7 +68,7 @@ def read_lock(folder: Path) -> dict | None:
 def holder_alive(holder: dict) -> bool:
     """Whether the job that wrote a lock may still be running."""
     if holder.get("host") == socket.gethostname():
-        return holder.get("pid") == os.getpid() or _pid_alive(int(holder.get("pid", 0)))
+        return holder.get("pid") == os.getpid() or pid_alive(int(holder.get("pid", 0)))
     return holder.get("age", 0.0) < STALE_AFTER
 
 

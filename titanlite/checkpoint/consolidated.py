@@ -57,6 +57,17 @@ def check_model_fits(model_sd: dict, saved: dict[str, tuple | None], source: str
         )
 
 
+def read_in_this_process(dest: dict, checkpoint: Path) -> None:
+    """Fill dest ({saved name: tensor}) from a DCP checkpoint in this one process; ConfigError naming the
+    damaged files when they cannot be read."""
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            safe_dcp_load(dest, checkpoint, no_dist=True)
+    except CheckpointException as e:
+        raise unreadable(checkpoint, e) from None
+
+
 def unreadable(path: Path, error: BaseException) -> ConfigError:
     """The ConfigError for a DCP checkpoint whose files could not be read (error: DCP's exception, which
     gathers each rank's failure), naming the damaged files when its manifest shows them."""
@@ -124,12 +135,7 @@ def export(checkpoint: Path, output: Path, dtype: str | None = None) -> dict[str
     }
     if not flat:
         raise ConfigError(f"--checkpoint {checkpoint} holds no model tensors")
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            safe_dcp_load(flat, checkpoint, no_dist=True)
-    except CheckpointException as e:
-        raise unreadable(checkpoint, e) from None
+    read_in_this_process(flat, checkpoint)
     cast = TORCH_DTYPES[dtype] if dtype else None
     sd = {k[len(prefix) :]: (v.to(cast) if cast and v.is_floating_point() else v) for k, v in flat.items()}
     write_atomically(Path(output), False, lambda tmp: torch.save(sd, tmp))

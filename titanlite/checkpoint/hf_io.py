@@ -18,11 +18,10 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
-from titanlite.checkpoint.consolidated import unreadable
+from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.hf_adapter import (
     half_split_to_interleaved,
     hf_shapes,
@@ -30,7 +29,7 @@ from titanlite.checkpoint.hf_adapter import (
     rope_heads,
     to_hf_name,
 )
-from titanlite.checkpoint.safe_reading import load_metadata, safe_dcp_load
+from titanlite.checkpoint.safe_reading import load_metadata
 from titanlite.compat import consolidate_hf_safetensors
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import config_from_args, generation_config
@@ -307,12 +306,7 @@ def export_hf(
             prefix + names[hf]: torch.empty(saved[names[hf]].size, dtype=saved[names[hf]].properties.dtype)
             for hf in group
         }
-        try:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                safe_dcp_load(dest, checkpoint, no_dist=True)
-        except CheckpointException as e:
-            raise unreadable(checkpoint, e) from None
+        read_in_this_process(dest, checkpoint)
         tensors = {}
         for hf in group:
             t = dest[prefix + names[hf]]

@@ -35,6 +35,7 @@ from titanlite.data.store import (
     write_manifest,
 )
 from titanlite.errors import ConfigError
+from titanlite.run_control import pid_alive
 
 logger = logging.getLogger("titanlite")
 
@@ -248,7 +249,7 @@ def remove_orphans(final: pathlib.Path) -> list[pathlib.Path]:
         if not pid.isdigit() or not owner:
             continue  # not a name this module writes
         if owner == host:
-            stale = not _alive(int(pid))
+            stale = not pid_alive(int(pid))
         else:
             stale = time.time() - _last_touched(folder) > ORPHAN_AGE
         if stale:
@@ -257,20 +258,6 @@ def remove_orphans(final: pathlib.Path) -> list[pathlib.Path]:
     if removed:
         logger.info(f"Removed {len(removed)} build folder(s) of {final.name} left by killed builds")
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    try:  # a zombie has exited; only its exit status waits to be collected
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no /proc (not Linux): os.kill's answer stands
-        return True
 
 
 def _last_touched(folder: pathlib.Path) -> float:
