@@ -13,6 +13,7 @@ from titanlite.data.builtin_corpus import builtin_corpus_path
 from titanlite.data.packing import PackedDataLoader
 from titanlite.data.sources import load_documents
 from titanlite.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
+from titanlite.errors import ConfigError
 
 from helpers import capture_logs
 
@@ -98,6 +99,20 @@ def hf_tokenizer_dir(tmp_path):
     tok.train_from_iterator(TINY_DOCS * 5, trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
     return tmp_path
+
+
+@pytest.mark.parametrize(
+    "name, text, needle",
+    [
+        ("tokenizer_config.json", "{not json", "cannot be read as JSON"),
+        ("generation_config.json", "[2]", "holds a list, not a JSON object"),
+    ],
+)
+def test_broken_json_beside_a_tokenizer_is_named(hf_tokenizer_dir, name, text, needle):
+    (hf_tokenizer_dir / name).write_text(text)
+    with pytest.raises(ConfigError, match=needle) as e:
+        build_tokenizer(str(hf_tokenizer_dir / "tokenizer.json"))
+    assert str(hf_tokenizer_dir / name) in str(e.value)
 
 
 def test_hf_tokenizer_round_trip(hf_tokenizer_dir):

@@ -93,14 +93,24 @@ class HFTokenizer:
         self.identity = f"hf-tokenizer-{h.hexdigest()}"  # the files' content, wherever they are
         self.chat_template = self._config_chat_template()
 
-    def _config_special_tokens(self) -> dict[str, str]:
-        config = self.path.parent / "tokenizer_config.json"
-        if not config.is_file():
+    def _beside(self, name: str) -> dict:
+        """A JSON file next to the tokenizer ({} when there is none); ConfigError naming it when it is not a JSON
+        object (its special tokens and chat template would otherwise be dropped without a word)."""
+        path = self.path.parent / name
+        if not path.is_file():
             return {}
         try:
-            data = json.loads(config.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{path} (beside model.tokenizer_path = {str(self.path)!r}) cannot be read as JSON: {e}"
+            ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} (beside model.tokenizer_path) holds a {type(data).__name__}, not a JSON object")
+        return data
+
+    def _config_special_tokens(self) -> dict[str, str]:
+        data = self._beside("tokenizer_config.json")
         out = {}
         for key in ("bos_token", "eos_token"):
             token = data.get(key)
@@ -112,11 +122,7 @@ class HFTokenizer:
 
     def _config_chat_template(self) -> str | None:
         """tokenizer_config.json's chat_template (its 'default' one when it names several), or None."""
-        config = self.path.parent / "tokenizer_config.json"
-        try:
-            template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
-        except (OSError, ValueError):
-            return None
+        template = self._beside("tokenizer_config.json").get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
@@ -124,11 +130,7 @@ class HFTokenizer:
 
     def _generation_eos(self) -> list[int]:
         """eos_token_id of a generation_config.json next to the tokenizer (a HF model folder), if any."""
-        path = self.path.parent / "generation_config.json"
-        try:
-            ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.is_file() else None
-        except (OSError, ValueError):
-            return []
+        ids = self._beside("generation_config.json").get("eos_token_id")
         ids = [ids] if isinstance(ids, int) else ids or []
         return [i for i in ids if isinstance(i, int) and 0 <= i < self.vocab_size]
 
