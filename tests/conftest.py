@@ -39,6 +39,16 @@ def offline_hub():
         yield
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_environment():
+    """A test that runs a titanlite command in this process (whose one-process group sets RANK, MASTER_PORT, ...)
+    leaves the environment as it found it: later subprocesses must not inherit a port that may still be bound."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def single_process_device():
     """In-process Trainers compute on the test device (cpu unless TITANLITE_TEST_DEVICE=cuda), even where a GPU is

@@ -284,7 +284,7 @@ def test_retention_crash_leftovers_and_bad_input(tmp_path):
     assert "holds only ['model']" in error("--checkpoint.load_step", "4")
     (tmp_path / "a_file").write_text("")
     msg = error("--job.dump_folder", str(tmp_path / "a_file" / "out"))
-    assert "checkpoint.folder" in msg and "cannot write" in msg
+    assert "job.dump_folder" in msg and "cannot write" in msg and "Not a directory" in msg
     assert "initial_load_path" in error("--checkpoint.initial_load_path", str(tmp_path / "missing.pt"))
 
     r = run_distributed(_resume_past_bad_folders, 2, str(tmp_path), bf16_model)[0]
