@@ -49,13 +49,7 @@ def too_few_gpus(processes: int, gpus: int) -> str:
 def init_distributed(hang_timeout_s: float = 0.0) -> Env:
     """Join (or, without torchrun, create a one-process) process group for this device. Its collectives time
     out after torch's default, or later than hang_timeout_s (titanlite.hang_watch reports a hang first)."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(local_rank)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if device.type == "cuda" and local_world > torch.cuda.device_count():
@@ -69,7 +63,16 @@ def init_distributed(hang_timeout_s: float = 0.0) -> Env:
         timeout = None
         if hang_timeout_s > 0:
             timeout = max(datetime.timedelta(minutes=30), datetime.timedelta(seconds=hang_timeout_s + 120))
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
+        # Without torchrun, a group of one on a port of its own; the environment is left alone, so that a process
+        # running several jobs (the tests) never hands a port that may still be bound to its subprocesses.
+        alone = (
+            {}
+            if "MASTER_ADDR" in os.environ
+            else dict(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        )
+        dist.init_process_group(
+            backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout, **alone
+        )
     return Env(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), device=device)
 
 

@@ -9,7 +9,7 @@ import sys
 from titanlite.config import load, to_toml
 from titanlite.distributed import exit_process, shutdown
 from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError
-from titanlite.exit_status import record_failure
+from titanlite.exit_status import ENV, read_outcome, record_failure
 from titanlite.metrics import setup_logging
 from titanlite.trainer import Trainer
 
@@ -30,6 +30,12 @@ def user_error(e: ConfigError) -> int:
     return 2
 
 
+def failed_peer() -> int | None:
+    """The rank that recorded a user error or a hang for run_train.sh's launcher, if any did."""
+    failure = read_outcome(os.environ.get(ENV)).first_failure()
+    return None if failure is None else failure["rank"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train as the config says; returns the exit status."""
     setup_logging()
@@ -47,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     except (NonFiniteLossError, CheckpointSaveError) as e:
         logger.error(str(e))
         shutdown()
+        return 1
+    except Exception as e:
+        shutdown()
+        if (peer := failed_peer()) is None:
+            raise
+        # A peer ended with a user error or found the job hung (the launcher prints why): this rank's broken
+        # collective is only the echo of that, not a second story to tell.
+        logger.info(f"stopping: rank {peer} ended the job ({type(e).__name__} here as a result)")
         return 1
     except BaseException:
         shutdown()
