@@ -94,6 +94,11 @@ def test_attention_benchmark_prints_the_ratio():
     assert re.search(r"block_causal / causal: [\d.]+ median", out), out
 
 
+def test_kv_cache_benchmark_prints_the_ratio():
+    out = _bench("kv_cache.py", "--flavor", "tiny", "--prompt-len", "8", "--new-tokens", "8", "--reps", "1")
+    assert re.search(r"no KV cache / KV cache total time: [\d.]+ median", out), out
+
+
 def test_gpu_check_runs_every_section_at_a_tiny_size(tmp_path):
     out = _bench("gpu_check.py", "--tiny", "--out", str(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())

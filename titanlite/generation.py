@@ -4,13 +4,17 @@ Under torchrun the model is sharded as `[parallelism]` says (FSDP, or HSDP with
 data_parallel_replicate_degree > 1), every block resharded after its forward, so a block's full
 weights exist only while it computes (all-gathered on demand). Every rank runs the same forward on
 the same tokens; rank 0 picks the next token and broadcasts it. Run as a single process (no
-torchrun) the model is a plain, unsharded Transformer. There is no KV cache: each new token
-recomputes the whole prefix (fine for debug sizes), cropped to the model's max_seq_len.
+torchrun) the model is a plain, unsharded Transformer. The prompt is run once into a KV cache (every
+rank holds the keys and values of all heads), then each new token is one single-token forward;
+generate(kv_cache=False) recomputes the whole prefix for every token instead, as before.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +31,10 @@ from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
 from titanlite.models.hf_config import hf_folder, is_hf_folder
+from titanlite.models.kv_cache import KVCache
 from titanlite.models.registry import model_args
+
+logger = logging.getLogger("titanlite")
 
 
 def resolve_checkpoint(path: str, given: bool = True) -> Path:
@@ -123,6 +130,27 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator:
     return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
 
 
+@dataclass
+class GenerationTiming:
+    """How long one generate call took: the prefill (the first forward, giving the first new token) and
+    the decode steps after it."""
+
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    total_s: float
+    kv_cache: bool
+
+    def describe(self) -> str:
+        """The log line: 'Generated 64 tokens in 0.41 s (prefill 12 tokens 0.02 s, decode 156.1 tokens/s, KV cache)'."""
+        decode_s, decoded = self.total_s - self.prefill_s, self.new_tokens - 1
+        rate = f"{decoded / decode_s:.1f} tokens/s" if decoded > 0 and decode_s > 0 else "-"
+        return (
+            f"Generated {self.new_tokens} tokens in {self.total_s:.2f} s (prefill {self.prompt_tokens} tokens "
+            f"{self.prefill_s:.2f} s, decode {rate}, {'KV cache' if self.kv_cache else 'no KV cache'})"
+        )
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -133,19 +161,72 @@ def generate(
     top_k: int = 0,
     seed: int = 0,
     stop_ids=(),
+    kv_cache: bool = True,
 ) -> list[int]:
-    """The new token ids after `prompt_ids`, stopping after one of stop_ids; call on every rank with the same args."""
+    """The new token ids after `prompt_ids`, stopping after one of stop_ids; call on every rank with the same args.
+
+    kv_cache=False recomputes the whole prefix for every token (the old path, for comparison)."""
+    kw = dict(temperature=temperature, top_k=top_k, seed=seed, stop_ids=stop_ids, kv_cache=kv_cache)
+    return generate_timed(model, prompt_ids, max_new_tokens, **kw)[0]
+
+
+@torch.no_grad()
+def generate_timed(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_ids=(),
+    kv_cache: bool = True,
+) -> tuple[list[int], GenerationTiming]:
+    """generate(), and how long its prefill and decode took.
+
+    With the KV cache the prompt is run once (the prefill), then one token per forward; a prompt longer
+    than max_seq_len keeps its last max_seq_len tokens, and generation stops (one log line) when the
+    sequence would need a position past max_seq_len. Without it every forward sees the whole sequence,
+    cropped to its last max_seq_len tokens, and generation goes on."""
     device = model.rope.device
     max_len = model.args.max_seq_len
-    tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     broadcast = dist.is_initialized() and dist.get_world_size() > 1
-    for _ in range(max_new_tokens):
-        logits = model(tokens[:, -max_len:])[0, -1].float()
+    tokens = list(prompt_ids)
+    if kv_cache and len(tokens) > max_len:
+        _log(f"The prompt's {len(tokens)} tokens exceed max_seq_len = {max_len}: keeping its last {max_len}")
+        tokens = tokens[-max_len:]
+    cache = KVCache.for_model(model, min(len(tokens) + max_new_tokens, max_len)) if kv_cache else None
+    new: list[int] = []
+    start = time.perf_counter()
+    prefill_s = 0.0
+    feed = tokens  # the prefill; then each new token alone
+    while len(new) < max_new_tokens:
+        if cache is None:
+            logits = model(torch.tensor([tokens[-max_len:]], dtype=torch.long, device=device))
+        else:
+            logits = model(torch.tensor([feed], dtype=torch.long, device=device), cache=cache)
+        logits = logits[0, -1].float()
         nxt = sample_next(logits, temperature, top_k, generator)
         if broadcast:  # rank 0 decides: every rank must feed identical tokens to the next forward
             dist.broadcast(nxt, src=0)
-        tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
-        if int(nxt) in stop_ids:
+        new.append(int(nxt))  # a host sync: the timings below are complete on any device
+        tokens.append(new[-1])
+        if len(new) == 1:
+            prefill_s = time.perf_counter() - start
+        if new[-1] in stop_ids:
             break
-    return tokens[0, len(prompt_ids) :].tolist()
+        if cache is not None and cache.offset == max_len and len(new) < max_new_tokens:
+            _log(
+                f"Stopped after {len(new)} new tokens: the sequence reached max_seq_len = {max_len} positions, all "
+                f"the KV cache holds (--no-kv-cache goes on, seeing only the last {max_len} tokens)"
+            )
+            break
+        feed = new[-1:]
+    timing = GenerationTiming(len(tokens) - len(new), len(new), prefill_s, time.perf_counter() - start, kv_cache)
+    return new, timing
+
+
+def _log(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(message)

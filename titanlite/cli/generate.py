@@ -1,7 +1,8 @@
 """`python -m titanlite.generate`: sample text from a checkpoint with the weights kept sharded.
 
     torchrun --nproc_per_node 4 -m titanlite.generate --config debug_model --checkpoint outputs/debug/checkpoint \\
-        --prompt "The function" --max-new-tokens 100 [--temperature 0.8 --top-k 50 --seed 0] [--section.key value]
+        --prompt "The function" --max-new-tokens 100 [--temperature 0.8 --top-k 50 --seed 0] [--no-kv-cache] \\
+        [--section.key value]
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import argparse
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from titanlite.data.chat import load_template
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.distributed import exit_process, init_distributed, pick_device, shutdown, world_size_from_env
 from titanlite.errors import ConfigError
-from titanlite.generation import generate, inference_model, load_weights, resolve_checkpoint
+from titanlite.generation import generate_timed, inference_model, load_weights, resolve_checkpoint
 from titanlite.metrics import setup_logging
 from titanlite.models.hf_config import is_hf_folder
 from titanlite.parallel_dims import ParallelDims
@@ -59,6 +59,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         action="store_true",
         help="render --prompt as a user message with the chat template (data.chat_template) and print the "
         "assistant's reply; stops at the end of the turn",
+    )
+    p.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="recompute the whole prefix for every new token instead of decoding from a KV cache (slower; the "
+        "same greedy tokens in fp32, and it goes on past max_seq_len with the last max_seq_len tokens)",
     )
     return p.parse_known_args(argv)
 
@@ -107,8 +113,7 @@ def run(argv: list[str]) -> str:
         prompt_ids = prompt_ids if prompt_ids[:1] == [tokenizer.bos_id] else [tokenizer.bos_id, *prompt_ids]
     else:
         prompt_ids = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
-    t0 = time.perf_counter()
-    new = generate(
+    new, timing = generate_timed(
         model,
         prompt_ids,
         args.max_new_tokens,
@@ -116,9 +121,10 @@ def run(argv: list[str]) -> str:
         top_k=args.top_k,
         seed=args.seed,
         stop_ids=tokenizer.stop_ids if args.stop_at_eos or args.chat else (),
+        kv_cache=not args.no_kv_cache,
     )
-    dt = time.perf_counter() - t0
-    logger.info(f"Generated {len(new)} tokens in {dt:.1f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s, no KV cache)")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(timing.describe())
     return tokenizer.decode(new)
 
 

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.llama_args import LlamaArgs
-from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, rope_table
+from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 
 __all__ = ["LlamaArgs", "Transformer", "TransformerBlock", "rope_table"]
 
@@ -31,12 +32,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: LayerKV | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), rope)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is None:
+            out = attend(q, k, v, mask)
+        else:  # over the cached prefix and these positions; causal only when the cache was empty
+            k, v = cache.update(k, v)
+            out = attend(q, k, v, mask, causal=cache.causal)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -60,8 +66,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: LayerKV | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -75,6 +81,8 @@ class Transformer(nn.Module):
 
     With args.attention = "block_causal", forward(tokens, positions) attends within each document only
     (a position of 0 starts one) and rotates by the positions; without positions it is causal.
+    forward(tokens, cache=KVCache) continues the sequences held in the cache (see kv_cache.py): the
+    tokens take positions cache.offset onwards, causally, and their keys and values are added to it.
     """
 
     # Submodules that get their own fully_shard, as predicates over (qualified name, module).
@@ -99,13 +107,23 @@ class Transformer(nn.Module):
         a = self.args
         return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         rope, mask = self.rope, None
-        if positions is not None and self.args.attention == "block_causal":
+        if cache is not None:
+            if positions is not None:
+                raise ValueError("forward with a KV cache takes no positions: the tokens follow the cache's offset")
+            n = tokens.shape[1]
+            start = cache.begin(n)
+            rope, mask = self.rope[start : start + n], cached_attention_mask(start, n, tokens.device)
+        elif positions is not None and self.args.attention == "block_causal":
             rope, mask = self.rope[positions], block_causal_mask(positions, self.attention_kernel)
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, rope, mask)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layers[i])
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         return self.output(self.norm(h))
 
     def shard_groups(self) -> list[list[nn.Module]]:

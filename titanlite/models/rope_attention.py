@@ -1,4 +1,5 @@
-"""RoPE (with Llama 3.1 frequency scaling) and attention: causal, or block-causal within each document.
+"""RoPE (with Llama 3.1 frequency scaling) and attention: causal, block-causal within each document, or
+the new positions of a KV cache over its filled prefix.
 
 Block-causal attention lets a token attend only to earlier tokens of its own document; documents are
 found from per-token positions (a position of 0 starts a document), and RoPE then uses those
@@ -101,12 +102,24 @@ def block_causal_mask(positions: torch.Tensor, kernel: str = "auto"):
     return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
-    """Attention of (batch, heads, seq, head_dim) q over k, v (fewer KV heads: grouped-query); causal when
-    mask is None, else block-causal with a mask from block_causal_mask."""
+def cached_attention_mask(offset: int, n: int, device=None) -> torch.Tensor | None:
+    """The mask of n new queries at positions offset.. over the offset + n keys of a KV cache: None when
+    none is needed (a prefill from an empty cache is causal, one query sees every key), else a boolean
+    SDPA mask (1, 1, n, offset + n) letting query i see keys up to offset + i."""
+    if offset == 0 or n == 1:
+        return None
+    keys = torch.arange(offset + n, device=device)
+    queries = torch.arange(offset, offset + n, device=device)
+    return (keys[None, :] <= queries[:, None])[None, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = True) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) q over k, v (fewer KV heads: grouped-query). mask None:
+    causal, or over every key when causal is False (one new query of a KV cache); else block-causal or
+    cache-offset causal with a mask from block_causal_mask or cached_attention_mask."""
     gqa = k.shape[1] != q.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if q.device.type == "cuda":
