@@ -91,13 +91,14 @@ def spawn(fn, world_size: int, device: str, *args) -> list:
 
 def register_shape(layers: int, hidden: int, intermediate: int, head_dim: int, seq_len: int) -> str:
     """Add a llama3 flavor with exactly this shape (FFN hidden size = intermediate); returns its name."""
-    from titanlite.models.llama_args import LLAMA3_FLAVORS, LlamaArgs
+    from titanlite.models.args import ModelArgs
+    from titanlite.models.llama3 import LLAMA3_FLAVORS
 
     if hidden % head_dim:
         raise SystemExit(f"--hidden {hidden} must be a multiple of --head-dim {head_dim}")
     # ffn_hidden_dim rounds int(multiplier * 8 * dim / 3) up to a multiple of multiple_of; with
     # multiple_of = intermediate and this multiplier the result is intermediate itself.
-    args = LlamaArgs(
+    args = ModelArgs(
         dim=hidden,
         n_layers=layers,
         n_heads=hidden // head_dim,

@@ -228,11 +228,11 @@ def _flex_case(device, dtype, compiled: bool, tiny: bool):
     import torch
 
     from titanlite.loss import summed_cross_entropy
-    from titanlite.models.llama import Transformer
-    from titanlite.models.llama_args import LlamaArgs
+    from titanlite.models.args import ModelArgs
+    from titanlite.models.decoder import Transformer
 
     seq, batch = (64, 2) if tiny else (2048, 2)
-    args = LlamaArgs(
+    args = ModelArgs(
         dim=64 if tiny else 512,
         n_layers=2,
         n_heads=4 if tiny else 8,
@@ -256,7 +256,7 @@ def _flex_case(device, dtype, compiled: bool, tiny: bool):
     )
     labels = torch.roll(tokens, -1, 1)
     tokens, positions, labels = tokens.to(device), positions.to(device), labels.to(device)
-    import titanlite.models.llama as llama
+    import titanlite.models.decoder as llama
 
     out = {}
     masks_built = {}
@@ -417,7 +417,7 @@ def _register_cut_flavor(shape, opts) -> None:
     import torch
 
     from titanlite.config import load
-    from titanlite.models.llama_args import LLAMA3_FLAVORS
+    from titanlite.models.llama3 import LLAMA3_FLAVORS
     from titanlite.plan import validate_for_world
     from titanlite.sizing import estimate
 

@@ -38,7 +38,7 @@ def _rank(folder: str):
     from titanlite.config import load
     from titanlite.distributed import init_distributed
     from titanlite.model_builder import build_model
-    from titanlite.models.hf_config import args_from_config, read_config
+    from titanlite.models.registry import hf_args
     from titanlite.parallel_dims import ParallelDims
 
     env = init_distributed()
@@ -52,7 +52,7 @@ def _rank(folder: str):
             "float32",
         ]
     )
-    args = args_from_config(read_config(folder), folder)
+    args = hf_args(folder)
     dims = ParallelDims.from_config(cfg.parallelism, env.world_size)
     model = build_model(cfg, args, dims.build_mesh("cpu")).model
     model.to_empty(device="cpu")

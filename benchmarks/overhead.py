@@ -30,7 +30,7 @@ def bare_fsdp_step(model_args, mesh, device, dtype: str, lr: float, seed: int):
     import torch.nn.functional as F
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from titanlite.models.llama import Transformer
+    from titanlite.models.decoder import Transformer
 
     with torch.device("meta"):
         model = Transformer(model_args)

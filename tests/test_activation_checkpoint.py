@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from titanlite.config import ConfigError, load
 from titanlite.memory_estimate import activation_bytes
-from titanlite.models.llama import Transformer
-from titanlite.models.llama_args import LlamaArgs
+from titanlite.models.args import ModelArgs
+from titanlite.models.decoder import Transformer
 from titanlite.parallelize import apply_ac, checkpointed_blocks, compile_problem
 
 from helpers import compute_device, make_trainer, run_distributed, tiny_argv, train_all
@@ -65,7 +65,7 @@ def _step(args, ac_name, dtype=torch.float32, batch=4, seq=64):
 
 
 def _args(vocab=258):
-    return LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, vocab_size=vocab)
+    return ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, vocab_size=vocab)
 
 
 def _assert_estimate_close(runs):

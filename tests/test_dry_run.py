@@ -113,7 +113,7 @@ MEASURED_H200_PEAKS = {
 
 def _estimate(monkeypatch, flavor, blocks, compiled, *extra):
     from titanlite.config import load
-    from titanlite.models.llama_args import LLAMA3_FLAVORS
+    from titanlite.models.llama3 import LLAMA3_FLAVORS
     from titanlite.plan import validate_for_world
     from titanlite.sizing import estimate
 

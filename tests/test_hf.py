@@ -53,7 +53,7 @@ def hf_model(folder, *, tied=False, scaling=None, kv_heads=2, vocab=300, layers=
 def test_rope_frequencies_equal_transformers_llama3():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from titanlite.models.llama_args import LLAMA3_FLAVORS
+    from titanlite.models.llama3 import LLAMA3_FLAVORS
     from titanlite.models.rope_attention import rope_frequencies
 
     for flavor, release, factor in (
@@ -88,10 +88,10 @@ def test_rope_frequencies_equal_transformers_llama3():
 
 def _titanlite_from(folder):
     from titanlite.checkpoint.hf_io import load_hf_weights
-    from titanlite.models.hf_config import args_from_config, read_config
-    from titanlite.models.llama import Transformer
+    from titanlite.models.decoder import Transformer
+    from titanlite.models.registry import hf_args
 
-    model = Transformer(args_from_config(read_config(folder), str(folder)))
+    model = Transformer(hf_args(folder))
     load_hf_weights(model, folder)
     return model
 
@@ -150,7 +150,9 @@ def test_a_tied_config_with_its_own_lm_head_loads_as_transformers_does(tmp_path,
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
     with caplog.at_level(logging.WARNING, logger="titanlite"):
         ours = _titanlite_from(tmp_path)
-    assert ours.args.tie_embeddings and not [r for r in _titanlite_records(caplog) if "tie_word_embeddings" in r.getMessage()]
+    assert ours.args.tie_embeddings and not [
+        r for r in _titanlite_records(caplog) if "tie_word_embeddings" in r.getMessage()
+    ]
     with torch.no_grad():
         assert (ours(x) - hf(x).logits).abs().max() < 1e-5
 

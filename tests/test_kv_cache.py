@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from titanlite.generation import GenerationTiming, generate, generate_timed
+from titanlite.models.decoder import Transformer
 from titanlite.models.kv_cache import KVCache
-from titanlite.models.llama import Transformer
-from titanlite.models.llama_args import LLAMA3_FLAVORS
+from titanlite.models.llama3 import LLAMA3_FLAVORS
 
 from helpers import compute_device, tiny_argv
 

@@ -19,7 +19,7 @@ from helpers import run_distributed, tiny_argv, wandb_history
 
 def test_flops_per_token_8b_by_hand():
     from titanlite.flops import flops_per_token, param_counts
-    from titanlite.models.llama_args import LLAMA3_FLAVORS
+    from titanlite.models.llama3 import LLAMA3_FLAVORS
 
     args = LLAMA3_FLAVORS["8B"].with_overrides(vocab_size=128256)
     assert args.ffn_hidden_dim == 14336
@@ -41,8 +41,8 @@ def test_flops_per_token_8b_by_hand():
 @pytest.mark.parametrize("flavor", ["tiny", "debugmodel", "1B", "8B"])
 def test_param_counts_match_the_model(flavor):
     from titanlite.flops import param_counts
-    from titanlite.models.llama import Transformer
-    from titanlite.models.llama_args import LLAMA3_FLAVORS
+    from titanlite.models.decoder import Transformer
+    from titanlite.models.llama3 import LLAMA3_FLAVORS
 
     args = LLAMA3_FLAVORS[flavor]
     args = args.with_overrides(vocab_size=args.vocab_size or 258)
@@ -213,7 +213,7 @@ def _observed_runs(argv_full, argv_quiet):
     from titanlite.data.build import build_loader
     from titanlite.data.tokenizers import build_tokenizer
     from titanlite.memory_estimate import sharded_state_bytes
-    from titanlite.models.llama import Transformer
+    from titanlite.models.decoder import Transformer
     from titanlite.trainer import Trainer
     from titanlite.validate import Validator
 

@@ -22,8 +22,8 @@ LLAMA3_TEMPLATE = (  # Llama 3 Instruct's template (without tool use)
 
 
 def _tiny_model(attention="block_causal", seed=0, device="cpu"):
-    from titanlite.models.llama import Transformer
-    from titanlite.models.llama_args import LLAMA3_FLAVORS
+    from titanlite.models.decoder import Transformer
+    from titanlite.models.llama3 import LLAMA3_FLAVORS
 
     model = Transformer(LLAMA3_FLAVORS["tiny"].with_overrides(vocab_size=258, attention=attention))
     model.init_weights(seed)  # drawn on the CPU, then moved: the same weights on every device
@@ -107,7 +107,7 @@ def test_block_causal_equals_each_document_alone():
 def _sharded_block_causal(replicate):
     from titanlite.distributed import init_distributed
     from titanlite.model_builder import build_model
-    from titanlite.models.llama_args import LLAMA3_FLAVORS
+    from titanlite.models.llama3 import LLAMA3_FLAVORS
     from titanlite.parallel_dims import ParallelDims
 
     env = init_distributed()

@@ -61,7 +61,7 @@ def test_missing_held_out_file_names_validation(tmp_path):
 def test_one_pass_over_a_held_out_file(tmp_path, store):
     from titanlite.data.build import build_loader
     from titanlite.data.tokenizers import ByteTokenizer
-    from titanlite.models.llama import Transformer
+    from titanlite.models.decoder import Transformer
     from titanlite.models.registry import model_args
     from titanlite.validate import Validator
 

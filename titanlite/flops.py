@@ -13,26 +13,17 @@ PV: 2 matmuls x 2 FLOPs x 3 passes = 12), counted over the full seq_len as if no
 
 from __future__ import annotations
 
-from titanlite.models.llama_args import LlamaArgs
+from titanlite.models.args import ModelArgs
 
 
-def param_counts(args: LlamaArgs) -> dict[str, int]:
-    """Parameter counts of a Llama 3 model: total (a tied weight once), embedding, non_embedding."""
-    d, kv_dim = args.dim, args.kv_heads * args.head_dim
-    attention = d * args.n_heads * args.head_dim * 2 + d * kv_dim * 2  # wq, wo; wk, wv
-    ffn = 3 * d * args.ffn_hidden_dim  # w1, w2, w3
-    per_layer = attention + ffn + 2 * d  # + attention_norm, ffn_norm
-    embedding = args.vocab_size * d
-    output = args.vocab_size * d
-    non_embedding = args.n_layers * per_layer + d + output  # + final norm
-    total = embedding + non_embedding - (output if args.tie_embeddings else 0)
-    return {"total": total, "embedding": embedding, "non_embedding": non_embedding}
+def param_counts(args: ModelArgs) -> dict[str, int]:
+    """Parameter counts of a model: total (a tied weight once), embedding, non_embedding."""
+    return args.param_counts()
 
 
-def flops_per_token(args: LlamaArgs, seq_len: int) -> int:
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token at this sequence length; see the module doc."""
-    n = param_counts(args)["non_embedding"]
-    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return args.flops_per_token(seq_len)
 
 
 # Dense bf16 tensor-core peak FLOP/s per device (vendor data sheets, no sparsity). Matched in order

@@ -1,14 +1,10 @@
 """Per-rank memory of one training step, from the model shape and the sharding plan (no GPU needed).
 
-Activations (a = bytes of the compute dtype, per token of a microbatch of B x S tokens), counted from
-what autograd saves in titanlite's Llama block (RMSNorm saves its input, 1/rms and the normalised
-input; SDPA saves q, k, v, its output and an fp32 logsumexp; SwiGLU saves w1, silu, w3 and their
-product); checked against torch's MemTracker on CPU in tests/test_activation_checkpoint.py:
+Activations (a = bytes of the compute dtype, per token of a microbatch of B x S tokens): what one block
+keeps for backward comes from the model's arguments (ModelArgs.block_activation_bytes: F without
+AC, C with full AC, O with selective 'op'), checked against torch's MemTracker on CPU in
+tests/test_activation_checkpoint.py; around the blocks:
 
-    block, no AC             F = (8*dim + 2*kv_dim + 4*ffn_dim + 2) * a + 4*n_heads
-    block, full AC           C = dim * a                                 (only the block's input)
-    block, selective 'op'    O = (5*dim + 2*kv_dim + 2*ffn_dim) * a + 4*n_heads
-                                 (input, q/k/v, attention and wo outputs, w1/w3/w2 outputs)
     recompute (any AC)       one checkpointed block rebuilds its F in backward
     final norm               3*dim * a
     loss                     vocab * 12: the logits, their fp32 copy and log_softmax's fp32 output,
@@ -41,18 +37,6 @@ from dataclasses import dataclass
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2}
 
 
-def block_activation_bytes(args, act_bytes: int) -> dict[str, int]:
-    """Bytes per token that one block keeps for backward: 'none' (F), 'full' (C) and 'op' (O) above."""
-    dim, kv, ffn = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
-    lse = 4 * args.n_heads
-    norms = 2 * dim * (4 + 4 + act_bytes) + 2 * 4  # fp32 input and x/rms, the output, fp32 1/rms
-    return {
-        "none": norms + (2 * dim + 2 * kv + 4 * ffn) * act_bytes + lse,
-        "full": dim * act_bytes,
-        "op": (5 * dim + 2 * kv + 2 * ffn) * act_bytes + lse,
-    }
-
-
 def activation_bytes(
     args, tokens: int, act_bytes: int, wrapped: list[int], op_sac: bool, compiled_loss: bool = False
 ) -> dict[str, int]:
@@ -62,7 +46,7 @@ def activation_bytes(
     use selective 'op' checkpointing rather than full recomputation; compiled_loss: the loss is one
     compiled kernel that keeps only the logits.
     """
-    per_block = block_activation_bytes(args, act_bytes)
+    per_block = args.block_activation_bytes(act_bytes)
     kept = per_block["op"] if op_sac else per_block["full"]
     blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
     loss = args.vocab_size * (act_bytes if compiled_loss else 12)

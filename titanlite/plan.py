@@ -21,8 +21,8 @@ from titanlite.data.build import check_data
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
+from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder
-from titanlite.models.llama_args import LlamaArgs
 from titanlite.models.registry import model_args, model_class
 from titanlite.parallel_dims import ParallelDims
 from titanlite.parallelize import compile_problem
@@ -58,7 +58,7 @@ def resolve(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, int, int]:
     return dims, global_batch, grad_accum
 
 
-def model_shapes(cfg: JobConfig, args: LlamaArgs) -> dict[str, tuple]:
+def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
     """The model's state-dict shapes, from a model on the meta device (nothing allocated)."""
     with torch.device("meta"):
         model = model_class(cfg.model.name)(args)
@@ -72,7 +72,7 @@ def machine_memory(device_type: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_machine_holds(cfg: JobConfig, args: LlamaArgs, device_type: str) -> None:
+def check_machine_holds(cfg: JobConfig, args: ModelArgs, device_type: str) -> None:
     """ConfigError when the sequence length and microbatch cannot fit this device at all: the RoPE table and
     every block's input for one microbatch (what a step keeps with any activation checkpointing) exceed its
     memory. A job that only might not fit is the dry run's to judge."""
@@ -98,7 +98,7 @@ class RunPlan:
     global_batch_size: int  # sequences per optimizer step (training.global_batch_size, -1 resolved)
     grad_accum: int  # microbatches per optimizer step on each rank
     tokenizer: object
-    model_args: LlamaArgs
+    model_args: ModelArgs
 
 
 def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None = "cpu") -> RunPlan:

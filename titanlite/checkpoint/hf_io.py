@@ -18,22 +18,25 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
-from titanlite.checkpoint.hf_adapter import (
+from titanlite.checkpoint.safe_reading import load_metadata
+from titanlite.compat import consolidate_hf_safetensors
+from titanlite.errors import ConfigError
+from titanlite.models.args import ModelArgs
+from titanlite.models.hf_config import config_from_args, generation_config
+from titanlite.models.hf_names import (
+    OUTPUT,
     half_split_to_interleaved,
     hf_shapes,
     interleaved_to_half_split,
     rope_heads,
+    stored_in_hf,
     to_hf_name,
 )
-from titanlite.checkpoint.safe_reading import load_metadata
-from titanlite.compat import consolidate_hf_safetensors
-from titanlite.errors import ConfigError
-from titanlite.models.hf_config import config_from_args, generation_config
-from titanlite.models.llama_args import LlamaArgs
+from titanlite.models.registry import FAMILIES
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3  # HF's default shard size
@@ -113,16 +116,14 @@ def read_hf_tensors(folder: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...
     return out
 
 
-def check_hf_weights(folder: pathlib.Path, args: LlamaArgs) -> None:
+def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> None:
     """ConfigError naming every missing, unexpected or mis-shaped tensor of a folder for this model shape."""
     found, expected = read_hf_tensors(folder), hf_shapes(args)
     missing = [n for n in expected if n not in found]
     unexpected = [
         n
         for n in found
-        if n not in expected
-        and not n.endswith(IGNORED_HF_TENSORS)
-        and not (n == "lm_head.weight" and args.tie_embeddings)
+        if n not in expected and not n.endswith(IGNORED_HF_TENSORS) and not (n == OUTPUT and args.tie_embeddings)
     ]
     wrong = [
         f"{n} has shape {found[n][1]} in {found[n][0]} but the model needs {expected[n]}"
@@ -136,25 +137,32 @@ def check_hf_weights(folder: pathlib.Path, args: LlamaArgs) -> None:
             problems.append(f"{what}: {'; '.join(items[:5])}{more}")
     if problems:
         raise ConfigError(
-            f"{folder} does not fit the model (dim {args.dim}, {args.n_layers} layers, vocab "
-            f"{args.vocab_size}, tied embeddings {args.tie_embeddings}): {' | '.join(problems)}"
+            f"{folder} does not fit the model ({FAMILIES[args.family].hf.architecture}: dim {args.dim}, "
+            f"{args.n_layers} layers, vocab {args.vocab_size}, tied embeddings {args.tie_embeddings}, qk-norm "
+            f"{args.qk_norm}, q/k/v biases {args.qkv_bias}): {' | '.join(problems)}; are these tensors of "
+            f"another family than its config.json says?"
         )
 
 
+def _whole_rows(t: DTensor) -> list:
+    """Placements of t that give every rank whole rows: split over columns, or replicated when t is 1-D."""
+    whole = Shard(1) if t.dim() > 1 else Replicate()
+    return [whole if isinstance(p, Shard) else p for p in t.placements]
+
+
 def _column_sharded(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor like t, but split over columns where t is split over rows (whole rows on every rank)."""
+    """An empty tensor like t, but with whole rows on every rank (see _whole_rows)."""
     if not isinstance(t, DTensor):
         return torch.empty_like(t)
-    placements = [Shard(1) if isinstance(p, Shard) else p for p in t.placements]
-    return dtensor_empty(t.shape, dtype=t.dtype, device_mesh=t.device_mesh, placements=placements)
+    return dtensor_empty(t.shape, dtype=t.dtype, device_mesh=t.device_mesh, placements=_whole_rows(t))
 
 
 def _permute_rows(t: torch.Tensor, heads: int, fn, placements=None) -> torch.Tensor:
-    """fn (a row permutation) applied to t; a DTensor is moved to column shards first and, with
+    """fn (a row permutation) applied to t; a DTensor is moved to whole rows first and, with
     `placements`, resharded to them afterwards."""
     if not isinstance(t, DTensor):
         return fn(t, heads)
-    cols = t.redistribute(placements=[Shard(1) if isinstance(p, Shard) else p for p in t.placements])
+    cols = t.redistribute(placements=_whole_rows(t))
     out = DTensor.from_local(
         fn(cols.to_local(), heads), cols.device_mesh, cols.placements, shape=t.shape, stride=t.stride()
     )
@@ -173,7 +181,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     sd = get_model_state_dict(model)
     dest, permuted = {}, {}
     for name, t in sd.items():
-        if name == "output.weight" and args.tie_embeddings:
+        if not stored_in_hf(name, args):
             continue
         heads = rope_heads(name, args)
         dest[to_hf_name(name)] = t if heads is None else _column_sharded(t)
@@ -193,7 +201,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     set_model_state_dict(model, sd)
 
 
-def file_mapping(args: LlamaArgs, itemsize: int, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> dict[str, int]:
+def file_mapping(args: ModelArgs, itemsize: int, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> dict[str, int]:
     """HF tensor name -> output file index (1..N), in model order, each file at most max_file_bytes."""
     mapping, index, used = {}, 1, 0
     for name, shape in hf_shapes(args).items():
@@ -205,17 +213,26 @@ def file_mapping(args: LlamaArgs, itemsize: int, max_file_bytes: int = DEFAULT_M
     return mapping
 
 
-def write_metadata(out: pathlib.Path, args: LlamaArgs, dtype: str, tokenizer) -> None:
+def write_metadata(out: pathlib.Path, args: ModelArgs, dtype: str, tokenizer) -> None:
     """config.json, generation_config.json and, for a HF tokenizer, its files."""
     bos = getattr(tokenizer, "bos_id", None)
     eos_ids = list(getattr(tokenizer, "stop_ids", None) or [tokenizer.eos_id])
-    (out / "config.json").write_text(json.dumps(config_from_args(args, dtype, bos, eos_ids), indent=2) + "\n")
+    config = config_from_args(args, FAMILIES[args.family].hf, dtype, bos, eos_ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos_ids), indent=2) + "\n")
     tok_path = getattr(tokenizer, "path", None)
     if tok_path is not None:
         for name in TOKENIZER_FILES:
             if (pathlib.Path(tok_path).parent / name).is_file():
                 shutil.copyfile(pathlib.Path(tok_path).parent / name, out / name)
+
+
+def _write_index(out: pathlib.Path, mapping: dict[str, int], state: dict[str, torch.Tensor]) -> None:
+    """model.safetensors.index.json for the files of `mapping` (HF name -> file index)."""
+    files = max(mapping.values())
+    weight_map = {name: f"model-{i:05d}-of-{files:05d}.safetensors" for name, i in mapping.items()}
+    total = sum(state[name].numel() * state[name].element_size() for name in mapping)
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 @torch.no_grad()
@@ -235,7 +252,7 @@ def save_hf_sharded(
     args = model.args
     state = {}
     for name, t in get_model_state_dict(model).items():
-        if name == "output.weight" and args.tie_embeddings:
+        if not stored_in_hf(name, args):
             continue
         t = t.detach().to(dtype)
         heads = rope_heads(name, args)
@@ -253,6 +270,8 @@ def save_hf_sharded(
     consolidate_hf_safetensors()(str(sharded), str(out), mapping)
     if rank == 0:
         shutil.rmtree(sharded)
+        if not (out / INDEX).is_file():  # DCP writes the index only when a process group gathers the files
+            _write_index(out, mapping, state)
         write_metadata(out, args, str(dtype).removeprefix("torch."), tokenizer)
     if dist.is_initialized():
         dist.barrier()
@@ -263,7 +282,7 @@ def export_hf(
     checkpoint: pathlib.Path,
     prefix: str,
     out: pathlib.Path,
-    args: LlamaArgs,
+    args: ModelArgs,
     dtype: torch.dtype | None,
     tokenizer,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
@@ -282,9 +301,11 @@ def export_hf(
     if not saved:
         raise ConfigError(f"--checkpoint {checkpoint} holds no model tensors")
     try:
-        names = {to_hf_name(n): n for n in saved if not (n == "output.weight" and args.tie_embeddings)}
+        names = {to_hf_name(n): n for n in saved if stored_in_hf(n, args)}
     except KeyError as e:
-        raise ConfigError(f"{checkpoint} holds a tensor that is not a Llama weight ({e.args[0]})") from None
+        raise ConfigError(
+            f"{checkpoint} holds a tensor that no HF architecture of titanlite has ({e.args[0]})"
+        ) from None
     itemsize = (dtype or next(iter(saved.values())).properties.dtype).itemsize
     mapping = file_mapping(args, itemsize, max_file_bytes)
     missing, extra = sorted(set(mapping) - set(names)), sorted(set(names) - set(mapping))

@@ -55,7 +55,7 @@ from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, safe_dcp_lo
 from titanlite.config import CHECKPOINT_PARTS, JobConfig, to_toml
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import CheckpointSaveError, ConfigError
-from titanlite.models.llama_args import args_to_dict
+from titanlite.models.args import args_to_dict
 from titanlite.optim import optimizer_hyperparameters
 from titanlite.run_control import StopSignals
 

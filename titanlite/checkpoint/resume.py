@@ -25,12 +25,24 @@ from titanlite.checkpoint.consolidated import check_model_fits, saved_shapes
 from titanlite.checkpoint.integrity import quick_problems, rank_problems
 from titanlite.config import JobConfig, load
 from titanlite.errors import ConfigError
-from titanlite.models.llama_args import LlamaArgs
+from titanlite.models.args import ModelArgs
 
 logger = logging.getLogger("titanlite")
 
 # Model fields that decide the shape of the weights or how they are used.
-WEIGHT_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden_dim", "vocab_size", "tie_embeddings")
+WEIGHT_FIELDS = (
+    "family",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "kv_heads",
+    "head_dim",
+    "ffn_hidden_dim",
+    "vocab_size",
+    "tie_embeddings",
+    "qk_norm",
+    "qkv_bias",
+)
 
 
 def problems_everywhere(path: Path) -> list[str]:
@@ -62,10 +74,10 @@ def saved_job_config(path: Path) -> JobConfig | None:
         return None
 
 
-def model_differences(saved: dict, args: LlamaArgs) -> list[str]:
+def model_differences(saved: dict, args: ModelArgs) -> list[str]:
     """'field: checkpoint value -> this run's value' for every weight-relevant field that differs."""
-    saved_args = LlamaArgs(
-        **{k: v for k, v in saved.items() if k in LlamaArgs.__dataclass_fields__ and k != "rope_scaling"}
+    saved_args = ModelArgs(
+        **{k: v for k, v in saved.items() if k in ModelArgs.__dataclass_fields__ and k != "rope_scaling"}
     )
     return [
         f"{f}: {getattr(saved_args, f)} in the checkpoint, {getattr(args, f)} in this run"
@@ -74,7 +86,7 @@ def model_differences(saved: dict, args: LlamaArgs) -> list[str]:
     ]
 
 
-def check_model_matches(path: Path, args: LlamaArgs) -> None:
+def check_model_matches(path: Path, args: ModelArgs) -> None:
     """ConfigError when the checkpoint was saved from a model of another shape (incl. tied or not)."""
     saved = saved_model_args(path)
     diff = model_differences(saved, args) if saved else []
@@ -157,7 +169,7 @@ def describe_changes(
     return lines
 
 
-def check_resume(cfg: JobConfig, args: LlamaArgs, model_shapes: dict[str, tuple]) -> None:
+def check_resume(cfg: JobConfig, args: ModelArgs, model_shapes: dict[str, tuple]) -> None:
     """Before any process starts: ConfigError when the checkpoint a resume would use (load_step, or the
     newest complete one) holds a model of another shape, or when load_step's files are missing or truncated
     (from model_args.json, the DCP metadata and the manifest's sizes; nothing is read beyond them)."""

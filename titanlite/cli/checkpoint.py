@@ -18,13 +18,14 @@ from pathlib import Path
 from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import export, model_prefix, resolve_step
 from titanlite.checkpoint.export_target import check_target, write_atomically
-from titanlite.checkpoint.hf_adapter import hf_shapes
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_FILE_BYTES, export_hf
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
-from titanlite.models.llama_args import args_from_dict
+from titanlite.models.args import args_from_dict
+from titanlite.models.hf_names import hf_shapes
+from titanlite.models.registry import FAMILIES
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -72,6 +73,8 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
     try:
         args = args_from_dict(saved_args)
         hf_shapes(args)  # every field a shape needs is there and of the right type
+        if args.family not in FAMILIES:
+            raise ValueError(f"family {args.family!r} is not one of {', '.join(FAMILIES)}")
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
         raise ConfigError(
             f"{step / 'model_args.json'} does not describe a model ({type(e).__name__}: {e}); it is damaged: "

@@ -24,6 +24,7 @@ from titanlite.errors import ConfigError
 from titanlite.generation import generate_timed, inference_model, load_weights, resolve_checkpoint
 from titanlite.metrics import setup_logging
 from titanlite.models.hf_config import is_hf_folder
+from titanlite.models.registry import family_of_folder
 from titanlite.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titanlite")
@@ -80,6 +81,8 @@ def run(argv: list[str]) -> str:
     if args.checkpoint and is_hf_folder(args.checkpoint):
         # A HuggingFace folder: its config.json gives the shape, its tokenizer (if any) the tokenizer.
         hf = ["--model.flavor", "hf", "--checkpoint.initial_load_path", args.checkpoint]
+        if not any(o.startswith("--model.name") for o in overrides):
+            hf += ["--model.name", family_of_folder(args.checkpoint)]
         if (Path(args.checkpoint) / "tokenizer.json").is_file() and not any(
             o.startswith("--model.tokenizer_path") for o in overrides
         ):

@@ -11,6 +11,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
+from titanlite.models.registry import FAMILIES
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 GRADIENT_SYNC = ("every_microbatch", "delay_all_reduce", "last_microbatch_only")
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -57,11 +59,17 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = _f("llama3", "model family; only llama3 is built in", _one_of("llama3"), "llama3")
+    name: str = _f(
+        "llama3",
+        "model family: llama3, qwen3, qwen2 or mistral (docs/model_families.md)",
+        _one_of(*FAMILIES),
+        " or ".join(FAMILIES),
+    )
     flavor: str = _f(
         "debugmodel",
-        "model size: debugmodel, tiny, 8B, 70B (Llama 3), 3.1-8B, 3.1-70B, 405B (3.1), 1B, 3B (3.2), 3.3-70B; "
-        "hf = the shape of the HuggingFace folder in checkpoint.initial_load_path",
+        "model size: debugmodel and tiny (every family); llama3: 8B, 70B (Llama 3), 3.1-8B, 3.1-70B, 405B (3.1), "
+        "1B, 3B (3.2), 3.3-70B; qwen3: 0.6B, 1.7B, 4B, 8B, 14B, 32B; hf = the shape of the HuggingFace folder in "
+        "checkpoint.initial_load_path (its config.json's family must be model.name)",
     )
     tokenizer_path: str = _f(
         "", "HuggingFace tokenizer: a tokenizer.json or a folder with one (a HF model folder); '' = built-in bytes"
@@ -74,8 +82,8 @@ class Model:
     )
     tie_embeddings: bool | None = _f(
         None,
-        "share the input embedding and output projection weights; unset = the flavor's (tied: 1B, 3B, hf per "
-        "config.json)",
+        "share the input embedding and output projection weights; unset = the flavor's (tied: Llama 1B, 3B; "
+        "Qwen3 up to 4B; hf per config.json)",
     )
     attention: str = _f(
         "causal",

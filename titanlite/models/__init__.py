@@ -1,1 +1,2 @@
-"""Model families: shapes and flavors (torch-free, `registry`, `llama_args`) and the torch modules (`llama`)."""
+"""Model families: shapes and flavors (torch-free: `registry`, `args`, one folder per family) and the torch
+module every family builds (`decoder`)."""

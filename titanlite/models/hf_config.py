@@ -1,5 +1,5 @@
-"""HuggingFace Llama config.json <-> LlamaArgs (no torch): read a model folder's shape, check it against a
-flavor, and write config.json / generation_config.json for an export."""
+"""HuggingFace config.json <-> ModelArgs (no torch), for any HFArchitecture of models/family.py: read a model
+folder's shape, check it against a flavor, and write config.json / generation_config.json for an export."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ import math
 import pathlib
 
 from titanlite.errors import ConfigError
-from titanlite.models.llama_args import LlamaArgs, RopeScaling
+from titanlite.models.args import ModelArgs, RopeScaling
+from titanlite.models.family import HFArchitecture
 
 logger = logging.getLogger("titanlite")
 
 CONFIG = "config.json"
-# LlamaArgs field -> config.json key, for the fields a checkpoint's weights depend on.
+# ModelArgs field -> config.json key, for the fields a checkpoint's weights depend on.
 SHAPE_KEYS = {
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
     "n_heads": "num_attention_heads",
     "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
     "ffn_hidden_dim": "intermediate_size",
     "vocab_size": "vocab_size",
     "tie_embeddings": "tie_word_embeddings",
@@ -142,7 +144,7 @@ def _field(config: dict, key: str, file: str, default, ok, expected: str, prefix
         if default is _REQUIRED:
             if key in config:
                 raise _bad(file, prefix + key, value, expected)
-            raise ConfigError(f"{file} has no {prefix + key!r}, which a Llama config needs; expected {expected}")
+            raise ConfigError(f"{file} has no {prefix + key!r}, which titanlite needs; expected {expected}")
         return default
     if not ok(value):
         raise _bad(file, prefix + key, value, expected)
@@ -187,17 +189,9 @@ def _rope(config: dict, file: str) -> tuple[float, RopeScaling | None]:
     )
 
 
-def args_from_config(config: dict, source: str) -> LlamaArgs:
-    """The LlamaArgs of a HuggingFace LlamaForCausalLM config (source: its folder); ConfigError naming the file,
-    the field, its value and what is valid for a missing, mistyped or foreign field."""
+def architecture_of(config: dict, source: str) -> tuple[str, list[str]]:
+    """(model_type, architectures) of a config.json; ConfigError naming the file when they are mistyped."""
     file = str(pathlib.Path(source) / CONFIG)
-
-    def positive_int(key, default=_REQUIRED):
-        return _field(config, key, file, default, lambda v: _is_int(v) and v > 0, _POSITIVE_INT)
-
-    def flag(key):
-        return _field(config, key, file, False, lambda v: isinstance(v, bool), "true or false")
-
     archs = _field(
         config,
         "architectures",
@@ -206,31 +200,43 @@ def args_from_config(config: dict, source: str) -> LlamaArgs:
         lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
         'a list of class names such as ["LlamaForCausalLM"]',
     )
-    model_type = _field(config, "model_type", file, "llama", lambda v: isinstance(v, str), "a string")
-    if model_type != "llama" or "LlamaForCausalLM" not in archs:
-        raise ConfigError(
-            f"{file} describes {model_type!r} {archs}, not a Llama (model_type 'llama', LlamaForCausalLM)"
-        )
+    return _field(config, "model_type", file, "llama", lambda v: isinstance(v, str), "a string"), archs
+
+
+def args_from_config(config: dict, source: str, arch: HFArchitecture, family: str) -> ModelArgs:
+    """The ModelArgs of a config.json of this HF architecture (source: its folder); ConfigError naming the file,
+    the field, its value and what is valid for a missing, mistyped or unsupported field."""
+    file = str(pathlib.Path(source) / CONFIG)
+
+    def positive_int(key, default=_REQUIRED):
+        return _field(config, key, file, default, lambda v: _is_int(v) and v > 0, _POSITIVE_INT)
+
+    def flag(key):
+        return _field(config, key, file, False, lambda v: isinstance(v, bool), "true or false")
+
     for key in ("attention_bias", "mlp_bias"):
         if flag(key):
-            raise ConfigError(f"{file} has {key} = true; titanlite's Llama has no biases")
+            biases = " (q/k/v biases only, as Qwen2)" if arch.qkv_bias else ""
+            raise ConfigError(
+                f"{file} has {key} = true; titanlite's {arch.architecture} has no such biases{biases}: expected false"
+            )
     act = _field(config, "hidden_act", file, "silu", lambda v: isinstance(v, str), "a string")
     if act != "silu":
-        raise ConfigError(f"{file} has hidden_act = {act!r}; Llama uses 'silu'")
+        raise ConfigError(f"{file} has hidden_act = {act!r}; {arch.architecture} in titanlite uses 'silu'")
+    arch.check(config, file)
     dtype_names = ", ".join(_DTYPES)
     for key in ("torch_dtype", "dtype"):
         _field(config, key, file, None, lambda v: v in _DTYPES, f"one of {dtype_names}")
     dim, heads = positive_int("hidden_size"), positive_int("num_attention_heads")
-    if dim % heads or (dim // heads) % 2:
-        raise ConfigError(
-            f"{file}: hidden_size = {dim} is not valid with num_attention_heads = {heads}; expected a multiple "
-            f"of it with an even quotient (the head dimension)"
-        )
-    if _field(config, "head_dim", file, dim // heads, _is_int, _POSITIVE_INT) != dim // heads:
-        raise ConfigError(
-            f"{file}: head_dim = {config['head_dim']} is not valid; expected hidden_size / num_attention_heads "
-            f"= {dim // heads} (titanlite derives the head dimension)"
-        )
+    default_head_dim = arch.default_head_dim or (dim // heads if dim % heads == 0 else None)
+    head_dim = _field(
+        config,
+        "head_dim",
+        file,
+        default_head_dim if default_head_dim is not None else _REQUIRED,
+        lambda v: _is_int(v) and v > 0 and v % 2 == 0,
+        "an even positive integer (RoPE rotates pairs of features)",
+    )
     kv_heads = positive_int("num_key_value_heads", heads)
     if heads % kv_heads:
         raise ConfigError(
@@ -239,14 +245,18 @@ def args_from_config(config: dict, source: str) -> LlamaArgs:
         )
     theta, rope_scaling = _rope(config, file)
     context = positive_int("max_position_embeddings", 8192)
-    return LlamaArgs(
+    return ModelArgs(
+        family=family,
         dim=dim,
         n_layers=positive_int("num_hidden_layers"),
         n_heads=heads,
         n_kv_heads=kv_heads,
+        explicit_head_dim=None if head_dim * heads == dim and not arch.default_head_dim else head_dim,
         vocab_size=positive_int("vocab_size"),
         intermediate_size=positive_int("intermediate_size"),
-        norm_eps=float(_field(config, "rms_norm_eps", file, 1e-5, _is_positive_number, _POSITIVE_NUMBER)),
+        qk_norm=arch.qk_norm,
+        qkv_bias=arch.qkv_bias,
+        norm_eps=float(_field(config, "rms_norm_eps", file, 1e-6, _is_positive_number, _POSITIVE_NUMBER)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
         max_seq_len=min(context, 8192),
@@ -255,9 +265,10 @@ def args_from_config(config: dict, source: str) -> LlamaArgs:
     )
 
 
-def mismatches(args: LlamaArgs, hf: LlamaArgs) -> list[str]:
+def mismatches(args: ModelArgs, hf: ModelArgs) -> list[str]:
     """'field: flavor value vs config.json key value' for every field the weights or the math depend on."""
-    out = [
+    out = [f"family {args.family} vs {hf.family}"] if args.family != hf.family else []
+    out += [
         f"{field} {getattr(args, field)} vs {key} {getattr(hf, field)}"
         for field, key in SHAPE_KEYS.items()
         if getattr(args, field) != getattr(hf, field)
@@ -266,16 +277,19 @@ def mismatches(args: LlamaArgs, hf: LlamaArgs) -> list[str]:
         out.append(f"rope_theta {args.rope_theta} vs rope_theta {hf.rope_theta}")
     if args.rope_scaling != hf.rope_scaling:
         out.append(f"rope_scaling {args.rope_scaling} vs rope_scaling {hf.rope_scaling}")
+    for field in ("qk_norm", "qkv_bias"):
+        if getattr(args, field) != getattr(hf, field):
+            out.append(f"{field} {getattr(args, field)} vs {getattr(hf, field)} (the architecture's)")
     if args.norm_eps != hf.norm_eps:
         out.append(f"norm_eps {args.norm_eps} vs rms_norm_eps {hf.norm_eps}")
     return out
 
 
-def config_from_args(args: LlamaArgs, dtype: str, bos_id: int | None, eos_ids: list[int]) -> dict:
-    """A LlamaForCausalLM config.json for these arguments."""
+def config_from_args(args: ModelArgs, arch: HFArchitecture, dtype: str, bos_id: int | None, eos_ids: list[int]) -> dict:
+    """A config.json of this HF architecture for these arguments."""
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.architecture],
+        "model_type": arch.model_type,
         "hidden_act": "silu",
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
@@ -296,6 +310,7 @@ def config_from_args(args: LlamaArgs, dtype: str, bos_id: int | None, eos_ids: l
         "torch_dtype": dtype,
         "bos_token_id": bos_id,
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        **arch.export_extras,
     }
     # Both spellings: rope_theta + rope_scaling (transformers 4, vLLM) and rope_parameters (transformers 5).
     rope = {"rope_type": "default"}

@@ -1,30 +1,25 @@
 """Model families by name: their flavors, the arguments for a [model] config, and the model class.
 
 Importing this module does not import torch (the config loader uses it to check model.flavor); the
-torch module of a family is imported by name when `model_class` is first called.
+torch module of a family is imported by name when `model_class` is first called. A family is a folder
+under models/ (see models/family.py) and one entry in FAMILIES.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import pathlib
 
 from titanlite.errors import ConfigError
-from titanlite.models.hf_config import args_from_config, mismatches, read_config
-from titanlite.models.llama_args import LLAMA3_FLAVORS, LlamaArgs
+from titanlite.models import llama3, mistral, qwen2, qwen3
+from titanlite.models.args import ModelArgs
+from titanlite.models.family import Family
+from titanlite.models.hf_config import CONFIG, architecture_of, args_from_config, mismatches, read_config
 
 HF_FLAVOR = "hf"  # the shape comes from a HuggingFace folder's config.json
 
-
-@dataclass(frozen=True)
-class Family:
-    """A model family: its published shapes and where its nn.Module lives ("module:Class")."""
-
-    flavors: dict[str, LlamaArgs]
-    model: str
-
-
-FAMILIES: dict[str, Family] = {"llama3": Family(flavors=LLAMA3_FLAVORS, model="titanlite.models.llama:Transformer")}
+# One line per family: its folder's FAMILY.
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, qwen2.FAMILY, mistral.FAMILY)}
 
 
 def flavors(name: str) -> list[str]:
@@ -39,7 +34,32 @@ def model_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=None) -> LlamaArgs:
+def family_of_config(config: dict, source: str) -> Family:
+    """The family whose HF architecture a config.json describes; ConfigError naming the supported ones."""
+    model_type, archs = architecture_of(config, source)
+    for family in FAMILIES.values():
+        if family.hf.architecture in archs and model_type == family.hf.model_type:
+            return family
+    supported = ", ".join(f"{f.hf.architecture} (model_type {f.hf.model_type!r})" for f in FAMILIES.values())
+    raise ConfigError(
+        f"{pathlib.Path(source) / CONFIG} describes model_type {model_type!r} {archs}, which titanlite does not "
+        f"implement; supported: {supported}"
+    )
+
+
+def hf_args(folder) -> ModelArgs:
+    """The shape of a HuggingFace model folder, from its config.json."""
+    config = read_config(folder)
+    family = family_of_config(config, str(folder))
+    return args_from_config(config, str(folder), family.hf, family.name)
+
+
+def family_of_folder(folder) -> str:
+    """The family name of a HuggingFace model folder."""
+    return family_of_config(read_config(folder), str(folder)).name
+
+
+def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=None) -> ModelArgs:
     """The arguments for a [model] config section, with the vocabulary sized for the tokenizer.
 
     hf_folder: a HuggingFace model folder the weights come from; with flavor "hf" its config.json gives
@@ -51,11 +71,17 @@ def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=Non
                 "model.flavor = 'hf' takes the model's shape from a HuggingFace folder's config.json: "
                 "set checkpoint.initial_load_path to that folder, or choose a built-in flavor"
             )
-        args = args_from_config(read_config(hf_folder), str(hf_folder))
+        args = hf_args(hf_folder)
+        if args.family != model_cfg.name:
+            raise ConfigError(
+                f"model.name = {model_cfg.name!r}, but {hf_folder}/config.json describes a "
+                f"{FAMILIES[args.family].hf.architecture}, the {args.family!r} family: set model.name = "
+                f"{args.family!r}"
+            )
     else:
         args = FAMILIES[model_cfg.name].flavors[model_cfg.flavor]
         if hf_folder is not None:
-            hf = args_from_config(read_config(hf_folder), str(hf_folder))
+            hf = hf_args(hf_folder)
             diff = mismatches(
                 args.with_overrides(
                     vocab_size=model_cfg.vocab_size or args.vocab_size or tokenizer_vocab_size,

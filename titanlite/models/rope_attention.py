@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.compat import compiled_create_block_mask
-from titanlite.models.llama_args import RopeScaling
+from titanlite.models.args import RopeScaling
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Llama 3: RMSNorm, RoPE, grouped-query attention (SDPA), SwiGLU feed-forward.
+"""The decoder every built-in family uses: RMSNorm, RoPE, grouped-query attention (SDPA), SwiGLU
+feed-forward; per-head q/k RMSNorm (Qwen3) and q/k/v biases (Qwen2) when the args ask for them.
 
 The model is built on the meta device, sharded, moved with `to_empty`, then `init_weights` fills
 every parameter from a generator seeded by (seed, parameter name) on the full tensor, keeping only
@@ -16,27 +17,36 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titanlite.models.args import ModelArgs
 from titanlite.models.kv_cache import KVCache, LayerKV
-from titanlite.models.llama_args import LlamaArgs
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 
-__all__ = ["LlamaArgs", "Transformer", "TransformerBlock", "rope_table"]
+__all__ = ["ModelArgs", "Transformer", "TransformerBlock", "rope_table"]
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        if args.qk_norm:  # one RMSNorm over head_dim, shared by every head
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: LayerKV | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), rope)
-        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), rope)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        # -1, not the configured head count: a tensor-parallel plan leaves each rank a part of the heads
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None:
             out = attend(q, k, v, mask)
@@ -58,7 +68,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: LlamaArgs):
+    def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -77,7 +87,7 @@ def is_transformer_block(name: str, module: nn.Module) -> bool:
 
 
 class Transformer(nn.Module):
-    """Llama 3 decoder: tokens (batch, seq) -> logits (batch, seq, vocab).
+    """Decoder: tokens (batch, seq) -> logits (batch, seq, vocab).
 
     With args.attention = "block_causal", forward(tokens, positions) attends within each document only
     (a position of 0 starts one) and rotates by the positions; without positions it is causal.
@@ -89,10 +99,10 @@ class Transformer(nn.Module):
     # Embedding and output groups are added by shard_groups(); the root is sharded last by the caller.
     shard_unit_predicates: tuple[Callable[[str, nn.Module], bool], ...] = (is_transformer_block,)
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         if args.vocab_size <= 0:
-            raise ValueError("LlamaArgs.vocab_size must be set (> 0) before building the model")
+            raise ValueError("ModelArgs.vocab_size must be set (> 0) before building the model")
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
@@ -158,6 +168,8 @@ class Transformer(nn.Module):
         a = self.args
         if name.endswith("norm.weight"):
             return lambda t, g: t.fill_(1.0)
+        if name.endswith(".bias"):
+            return lambda t, g: t.zero_()
         if name == "tok_embeddings.weight":
             std = a.dim**-0.5 if a.tie_embeddings else 1.0
             return lambda t, g: nn.init.normal_(t, 0.0, std, generator=g)

@@ -1,0 +1,168 @@
+"""The shape of a decoder model (no torch): what every family's published flavors and HF configs become.
+
+Llama 3, Qwen3, Qwen2 and Mistral are one architecture (pre-norm RMSNorm blocks, RoPE, grouped-query
+attention, SwiGLU) that differs in a few switches: per-head RMSNorm of q and k (Qwen3), q/k/v biases
+(Qwen2), a head dimension of its own (Qwen3, some Mistrals), tied embeddings, the RoPE theta and
+scaling. ModelArgs holds them, and answers what the rest of the package asks of a model's shape
+(parameter shapes and counts, FLOPs per token, the activation bytes of a block) so that nothing outside
+`models/` knows a parameter name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1+ RoPE frequency scaling (HF `rope_type: "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape of a decoder model of one family."""
+
+    family: str = "llama3"  # the family in models/registry.py (its HF architecture, its module)
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 16
+    n_kv_heads: int | None = None  # None = n_heads (no grouped-query attention)
+    explicit_head_dim: int | None = None  # None = dim // n_heads (Qwen3 sets its own)
+    vocab_size: int = 0  # 0 = take the tokenizer's size
+    multiple_of: int = 256  # FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    intermediate_size: int | None = None  # the FFN hidden size itself (HF configs); None = from the two above
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048  # positions the RoPE table covers
+    context_length: int = 8192  # the release's published context length
+    tie_embeddings: bool = False
+    release: str = ""  # the release of a published flavor (Llama 3, 3.1, 3.2, 3.3; Qwen3)
+    attention: str = "causal"  # causal, or block_causal (attend within each document only)
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def with_overrides(self, **kw) -> ModelArgs:
+        return replace(self, **kw)
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter of one transformer block, by its name inside the block."""
+        d, q, kv, ffn = self.dim, self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
+        shapes = {
+            "attention.wq.weight": (q, d),
+            "attention.wk.weight": (kv, d),
+            "attention.wv.weight": (kv, d),
+            "attention.wo.weight": (d, q),
+        }
+        if self.qkv_bias:
+            shapes.update({"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
+        if self.qk_norm:
+            shapes.update({"attention.q_norm.weight": (self.head_dim,), "attention.k_norm.weight": (self.head_dim,)})
+        shapes.update(
+            {
+                "feed_forward.w1.weight": (ffn, d),
+                "feed_forward.w3.weight": (ffn, d),
+                "feed_forward.w2.weight": (d, ffn),
+                "attention_norm.weight": (d,),
+                "ffn_norm.weight": (d,),
+            }
+        )
+        return shapes
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter of the model by its state-dict name (a tied output projection included)."""
+        out = {"tok_embeddings.weight": (self.vocab_size, self.dim)}
+        for i in range(self.n_layers):
+            out.update({f"layers.{i}.{name}": shape for name, shape in self.block_shapes().items()})
+        out.update({"norm.weight": (self.dim,), "output.weight": (self.vocab_size, self.dim)})
+        return out
+
+    def tied_copies(self) -> tuple[str, ...]:
+        """State-dict names that are the same tensor as an earlier one (not stored again in HF folders)."""
+        return ("output.weight",) if self.tie_embeddings else ()
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameter counts: total (a tied weight once), embedding, non_embedding (the output projection in it)."""
+        block = sum(_numel(s) for s in self.block_shapes().values())
+        embedding = self.vocab_size * self.dim
+        output = self.vocab_size * self.dim
+        non_embedding = self.n_layers * block + self.dim + output  # + final norm
+        total = embedding + non_embedding - (output if self.tie_embeddings else 0)
+        return {"total": total, "embedding": embedding, "non_embedding": non_embedding}
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at this sequence length (see titanlite/flops.py)."""
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * self.param_counts()["non_embedding"] + attention
+
+    def block_activation_bytes(self, act_bytes: int) -> dict[str, int]:
+        """Bytes per token one block keeps for backward: 'none' (no AC), 'full' (full AC) and 'op' (selective
+        'op'), counted from what autograd saves in models/decoder.py (checked against torch's MemTracker):
+
+            norms (2, over dim)   fp32 input and x/rms, the output, fp32 1/rms
+            qk-norm (Qwen3)       the same over q and k, per head
+            no AC                 norms + (2*q + 2*kv + 4*ffn) * a + fp32 logsumexp per head
+                                  (q, k, v, the attention output; w1, silu, w3 and their product)
+            full AC               dim * a (the block's input)
+            selective 'op'        (3*dim + 2*q + 2*kv + 2*ffn) * a + logsumexp: the input and every matmul
+                                  output (q/k/v, attention, wo, w1/w3, w2)
+
+        where q = n_heads * head_dim, kv = kv_heads * head_dim and a = act_bytes.
+        """
+        a, d = act_bytes, self.dim
+        q, kv, ffn = self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
+        lse = 4 * self.n_heads
+        norms = 2 * d * (4 + 4 + a) + 2 * 4
+        if self.qk_norm:
+            norms += (q + kv) * (4 + 4 + a) + 4 * (self.n_heads + self.kv_heads)
+        return {
+            "none": norms + (2 * q + 2 * kv + 4 * ffn) * a + lse,
+            "full": d * a,
+            "op": (3 * d + 2 * q + 2 * kv + 2 * ffn) * a + lse,
+        }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def args_to_dict(args: ModelArgs) -> dict:
+    """The arguments as plain JSON-able values (saved next to checkpoints as model_args.json)."""
+    out = {k: getattr(args, k) for k in args.__dataclass_fields__}
+    if args.rope_scaling is not None:
+        out["rope_scaling"] = dict(args.rope_scaling.__dict__)
+    return out
+
+
+def args_from_dict(data: dict) -> ModelArgs:
+    """The inverse of args_to_dict (unknown keys are an error; a model_args.json from before families is Llama 3)."""
+    data = dict(data)
+    if data.get("rope_scaling") is not None:
+        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    return ModelArgs(**data)

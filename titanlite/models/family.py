@@ -1,0 +1,43 @@
+"""The model-family protocol (no torch): what a family folder under models/ declares.
+
+A family is its published shapes (flavors of ModelArgs), its nn.Module ("module:Class"; the module
+builds from ModelArgs, names its shard groups and fills its weights by name), and its HuggingFace
+architecture: the config.json class it reads and writes, the switches that class implies, and a check
+that refuses the config.json settings titanlite does not implement. Shapes, FLOPs, the memory
+inventory and the tensor names all come from ModelArgs; a new family that is this decoder with
+other switches is one folder and one line in models/registry.py (docs/model_families.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from titanlite.models.args import ModelArgs
+
+
+def no_extra_checks(config: dict, file: str) -> None:
+    """A family whose config.json holds nothing beyond the shared fields to refuse."""
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """A HuggingFace *ForCausalLM class as titanlite reads and writes its config.json."""
+
+    architecture: str  # "Qwen3ForCausalLM"
+    model_type: str  # "qwen3"
+    qk_norm: bool = False  # the class always has per-head q/k RMSNorm
+    qkv_bias: bool = False  # the class always has q/k/v biases
+    default_head_dim: int | None = None  # head_dim when config.json has none; None = hidden_size / heads
+    check: Callable[[dict, str], None] = no_extra_checks  # ConfigError for settings titanlite does not implement
+    export_extras: dict = field(default_factory=dict)  # config.json keys an export adds for this class
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: its name, published shapes, nn.Module and HF architecture."""
+
+    name: str
+    flavors: dict[str, ModelArgs]
+    model: str  # "module:Class"
+    hf: HFArchitecture

@@ -1,0 +1,86 @@
+"""Where HuggingFace weights meet titanlite's, for every built-in family (all four use HF's Llama naming
+and layout): parameter names, and the q/k row permutation between HF's half-split RoPE layout and
+titanlite's interleaved pairs (Meta's layout).
+
+In titanlite a head's rows of wq/wk (and their biases) hold the rotated pairs side by side (x0, x1),
+(x2, x3), ...; HF keeps the first halves of all pairs, then the second halves. Both compute the same
+attention once the rows are permuted; so does a per-head q/k norm's weight (Qwen3), permuted as one
+head. Every other tensor is the same up to its name. A tied output projection is not stored by HF
+(lm_head is the embedding).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from titanlite.models.args import ModelArgs
+
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+EMBEDDING, OUTPUT = _TOP_NAMES["tok_embeddings.weight"], _TOP_NAMES["output.weight"]
+
+
+def to_hf_name(name: str) -> str:
+    """titanlite parameter name -> HF name."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise KeyError(f"no HuggingFace name for parameter {name!r}")
+
+
+def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor a HF checkpoint of this shape holds, with its shape (no lm_head when tied)."""
+    skipped = args.tied_copies()
+    return {to_hf_name(n): shape for n, shape in args.parameter_shapes().items() if n not in skipped}
+
+
+def stored_in_hf(name: str, args: ModelArgs) -> bool:
+    """Whether a HF folder stores this parameter (a tied output projection is not stored)."""
+    return name not in args.tied_copies()
+
+
+def rope_heads(name: str, args: ModelArgs) -> int | None:
+    """Heads whose rows a q/k tensor holds (its rows are permuted between layouts; a q/k norm weight is one
+    head); None for other tensors."""
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
+        return args.n_heads
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
+        return args.kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
+    return None
+
+
+def interleaved_to_half_split(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q/k weight (heads * head_dim, ...) from titanlite's layout to HF's; any number of columns."""
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def half_split_to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q/k weight from HF's layout to titanlite's."""
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(heads, 2, rows // heads // 2, *rest).transpose(1, 2).reshape(rows, *rest)
