@@ -64,8 +64,12 @@ def _step(args, ac_name, dtype=torch.float32, batch=4, seq=64):
     )
 
 
-def _args(vocab=258):
-    return ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, vocab_size=vocab)
+def _args(vocab=258, **family):
+    return ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, vocab_size=vocab, **family)
+
+
+# Qwen3's switches (qk-norm, a head_dim of its own) and Qwen2's (q/k/v biases) change what a block keeps.
+FAMILY_SWITCHES = {"qwen3": dict(qk_norm=True, explicit_head_dim=32), "qwen2": dict(qkv_bias=True)}
 
 
 def _assert_estimate_close(runs):
@@ -93,6 +97,12 @@ def test_ac_same_loss_grads_and_names_less_memory():
 def test_activation_estimate_matches_measured_peak_bf16(vocab):
     """The dry run's formula in bf16: small vocab (the blocks dominate) and big (the loss does)."""
     _assert_estimate_close({name: _step(_args(vocab), name, torch.bfloat16) for name in MODES})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(FAMILY_SWITCHES))
+def test_activation_estimate_matches_measured_peak_of_each_family(family, dtype):
+    _assert_estimate_close({name: _step(_args(**FAMILY_SWITCHES[family]), name, dtype) for name in MODES})
 
 
 def test_checkpointed_blocks_and_config_checks(monkeypatch, tmp_path):

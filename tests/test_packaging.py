@@ -169,3 +169,29 @@ def test_torch_range_is_the_one_compat_admits(monkeypatch):
     assert compat.version_warning() is not None
     monkeypatch.setattr(torch, "__version__", "2.15.2")
     assert compat.version_warning() is None
+
+
+def test_no_module_outside_models_names_a_model_parameter():
+    """Parameter names (and so a family's layout) live in titanlite/models/ only: every other module asks the
+    model or its ModelArgs (shapes, counts, FLOPs, activation bytes, HF names)."""
+    import ast
+    import re
+
+    from titanlite.models.args import ModelArgs
+
+    every_switch = ModelArgs(vocab_size=8, qk_norm=True, qkv_bias=True, tie_embeddings=False)
+    names = set(every_switch.parameter_shapes())
+    generic = {"layers", "attention", "weight", "bias", "norm", "output"} | {str(i) for i in range(99)}
+    parts = {p for n in names for p in n.split(".")} - generic
+    assert {"wq", "w1", "q_norm", "tok_embeddings", "feed_forward"} <= parts
+    pattern = re.compile(r"\b(" + "|".join(sorted(parts)) + r")\b|\b(output|norm)\.weight\b")
+    problems = []
+    for path in (ROOT / "titanlite").rglob("*.py"):
+        if "models" in path.relative_to(ROOT / "titanlite").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+            text = node.attr if isinstance(node, ast.Attribute) else text
+            if text is not None and (m := pattern.search(text)):
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {m.group(0)}")
+    assert not problems, problems

@@ -122,6 +122,7 @@ def microbatch_sync(model: nn.Module, is_last: bool, mode: str):
 # activations, residual adds): the matmuls and attention are the expensive ops to run twice.
 _AC_SAVE_OPS = [
     torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,  # a linear with a bias (Qwen2's q/k/v)
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,

@@ -123,7 +123,7 @@ class ModelArgs:
         'op'), counted from what autograd saves in models/decoder.py (checked against torch's MemTracker):
 
             norms (2, over dim)   fp32 input and x/rms, the output, fp32 1/rms
-            qk-norm (Qwen3)       the same over q and k, per head
+            qk-norm (Qwen3)       fp32 input and x/rms over q and k, fp32 1/rms per head
             no AC                 norms + (2*q + 2*kv + 4*ffn) * a + fp32 logsumexp per head
                                   (q, k, v, the attention output; w1, silu, w3 and their product)
             full AC               dim * a (the block's input)
@@ -137,7 +137,7 @@ class ModelArgs:
         lse = 4 * self.n_heads
         norms = 2 * d * (4 + 4 + a) + 2 * 4
         if self.qk_norm:
-            norms += (q + kv) * (4 + 4 + a) + 4 * (self.n_heads + self.kv_heads)
+            norms += (q + kv) * (4 + 4) + 4 * (self.n_heads + self.kv_heads)  # its output is RoPE's saved input
         return {
             "none": norms + (2 * q + 2 * kv + 4 * ffn) * a + lse,
             "full": d * a,
