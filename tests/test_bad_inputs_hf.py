@@ -220,8 +220,8 @@ CASES = [
           HF), ("model.flavor = 'tiny' does not match", "head_dim 32 vs head_dim 16"),
          hf(fields(architectures=["Qwen3ForCausalLM"], model_type="qwen3"))),
     Case("hf-tensors-of-another-family", "hf", "config", check_hf("--model.name", "qwen3"),
-         ("{tmp}/hf does not fit the model (Qwen3ForCausalLM", "missing tensors: model.layers.0.self_attn.q_norm.weight",
-          "another family than its config.json says"),
+         ("{tmp}/hf does not fit the model (Qwen3ForCausalLM", "another family than its config.json says",
+          "missing tensors: model.layers.0.self_attn.q_norm.weight"),
          hf(fields(architectures=["Qwen3ForCausalLM"], model_type="qwen3"))),
     # the weights: index, shards, shapes
     Case("hf-index-names-a-missing-shard", "hf", "generate", generate(HF),

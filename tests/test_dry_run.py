@@ -142,3 +142,25 @@ def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
     # accumulation: the gradients of earlier microbatches stay beside the next one's activations
     accum = _estimate(monkeypatch, "1B", 2, False, "--training.global_batch_size", "4")
     assert accum.grads_with_activations and accum.gpu_total == state + accum.grads + accum.activations["total"]
+
+
+def test_dry_run_sizes_qwen3_8b_and_32b(capsys):
+    """The Qwen3 fine-tuning config on 2 x 8 GPUs without its HF folder: 8B fits with selective AC; 32B does not,
+    but does with full AC over FSDP(16)."""
+    no_files = (
+        "--job.config_file",
+        "qwen3_8b_finetune",
+        "--model.tokenizer_path",
+        "",
+        "--checkpoint.initial_load_path",
+        "",
+    )
+    code, out, _ = _main(capsys, 16, *no_files)
+    assert code == 0 and "model: qwen3 8B, 8.19B parameters, 36 blocks" in out and "fits: yes" in out
+    assert "HSDP: replicate_size=2, shard_size=8" in out
+    assert abs(_table(out)["parameters"] - 8_190_735_360 * 4 / 8 / GIB) < 0.01
+    code, out, _ = _main(capsys, 16, *no_files, "--model.flavor", "32B")
+    assert code == 1 and "model: qwen3 32B, 32.76B parameters, 64 blocks" in out and "fits: no" in out
+    full = ("--activation_checkpoint.mode", "full", "--parallelism.data_parallel_replicate_degree", "1")
+    code, out, _ = _main(capsys, 16, *no_files, "--model.flavor", "32B", *full)
+    assert code == 0 and "fits: yes" in out

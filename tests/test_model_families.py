@@ -102,17 +102,23 @@ def test_import_gives_transformers_logits_and_export_loads_back(tmp_path, family
         assert (back(x).logits - expected).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral"])
-def test_family_init_is_by_name_and_trains(tmp_path, family):
+def _init_and_train(tmp, families):
+    out = {}
+    for family in families:
+        t = make_trainer(tiny_argv(f"{tmp}/{family}", "--model.name", family, "--training.steps", "6"))
+        params = {n: p.full_tensor() for n, p in t.model.named_parameters()}
+        out[family] = (params, t.train())
+    return out
+
+
+@pytest.mark.slow
+def test_family_init_is_by_name_and_trains(tmp_path):
     """The built-in small flavors of each family build, initialise (biases zero, norms one) and learn."""
-    t = make_trainer(tiny_argv(tmp_path, "--model.name", family, "--training.steps", "6"))
-    params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in t.model.named_parameters()}
-    if family == "qwen3":
-        assert torch.equal(params["layers.0.attention.q_norm.weight"], torch.ones(32))
-    if family == "qwen2":
-        assert torch.equal(params["layers.1.attention.wk.bias"], torch.zeros(32))
-    losses = t.train()
-    assert losses[6] < losses[1]
+    res = run_distributed(_init_and_train, 1, str(tmp_path), ["qwen3", "qwen2", "mistral"])[0]
+    assert torch.equal(res["qwen3"][0]["layers.0.attention.q_norm.weight"], torch.ones(32))
+    assert torch.equal(res["qwen2"][0]["layers.1.attention.wk.bias"], torch.zeros(32))
+    for family, (_, losses) in res.items():
+        assert losses[6] < losses[1], family
 
 
 def _import_sharded(root, families):
@@ -254,3 +260,16 @@ def test_kv_cache_greedy_equals_no_cache_sharded_for_every_family(tmp_path):
             cached, no_cache = per_rank[family]
             assert cached == no_cache == plain[family][0], family
             assert len(cached) == 64
+
+
+def test_qwen3_published_shapes():
+    """The released shapes: parameter counts as published (0.6B exactly, the others as the model cards round
+    them), tied embeddings up to 4B, head_dim 128 whatever dim / heads is."""
+    from titanlite.models.qwen3 import QWEN3_FLAVORS
+
+    totals = {k: a.param_counts()["total"] for k, a in QWEN3_FLAVORS.items() if k[0].isdigit()}
+    assert totals["0.6B"] == 596_049_920
+    for name, billions in (("1.7B", 1.7), ("4B", 4.0), ("8B", 8.2), ("14B", 14.8), ("32B", 32.8)):
+        assert round(totals[name] / 1e9, 1) == billions, name
+    assert [a.tie_embeddings for k, a in QWEN3_FLAVORS.items() if k[0].isdigit()] == [True] * 3 + [False] * 3
+    assert {a.head_dim for k, a in QWEN3_FLAVORS.items() if k[0].isdigit()} == {128}
