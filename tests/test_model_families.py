@@ -106,7 +106,7 @@ def _init_and_train(tmp, families):
     out = {}
     for family in families:
         t = make_trainer(tiny_argv(f"{tmp}/{family}", "--model.name", family, "--training.steps", "6"))
-        params = {n: p.full_tensor() for n, p in t.model.named_parameters()}
+        params = {n: p.full_tensor().detach().clone() for n, p in t.model.named_parameters()}
         out[family] = (params, t.train())
     return out
 
@@ -273,3 +273,22 @@ def test_qwen3_published_shapes():
         assert round(totals[name] / 1e9, 1) == billions, name
     assert [a.tie_embeddings for k, a in QWEN3_FLAVORS.items() if k[0].isdigit()] == [True] * 3 + [False] * 3
     assert {a.head_dim for k, a in QWEN3_FLAVORS.items() if k[0].isdigit()} == {128}
+
+
+def test_generate_chat_from_a_qwen3_folder_with_its_tokenizer(tmp_path, capsys):
+    """A Qwen3 folder as transformers saves it, with Qwen's tokenizer files: generate --chat needs no other flag
+    (family, shape, tokenizer and ChatML template all come from the folder) and prints the reply."""
+    from test_chat_families import QWEN3_TEMPLATE, _qwen
+
+    from titanlite.cli.generate import main
+
+    folder = tmp_path / "qwen3"
+    tok = _qwen(folder, QWEN3_TEMPLATE)
+    torch.manual_seed(0)
+    _, config = _hf_config("qwen3", tied=True)
+    config.vocab_size = tok.vocab_size
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    code = main(["--checkpoint", str(folder), "--chat", "--prompt", "Hi?", "--max-new-tokens", "5"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert f"Loaded {folder}: qwen3, 2 blocks, dim 64" in out.err and out.out.strip()

@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="a step-N DCP folder or the checkpoint root (newest step); default: "
         "<dump_folder>/<checkpoint.folder>; 'none' = untrained initial weights",
     )
-    p.add_argument("--prompt", default="", help="text to continue (the BOS token is always prepended)")
+    p.add_argument("--prompt", default="", help="text to continue (after the BOS token, for a model that has one)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
@@ -107,15 +107,15 @@ def run(argv: list[str]) -> str:
         logger.info(f"Untrained weights (seed {cfg.training.seed})")
     else:
         load_weights(model, checkpoint)
-        logger.info(f"Loaded {checkpoint}")
+        a = model.args
+        logger.info(f"Loaded {checkpoint}: {a.family}, {a.n_layers} blocks, dim {a.dim}, vocab {a.vocab_size}")
     if args.chat:  # the conversation so far, ending with the assistant's header
         text = load_template(cfg.data.chat_template, tokenizer).render(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True
         )
-        prompt_ids = tokenizer.encode_with_specials(text)
-        prompt_ids = prompt_ids if prompt_ids[:1] == [tokenizer.bos_id] else [tokenizer.bos_id, *prompt_ids]
+        prompt_ids = tokenizer.with_bos(tokenizer.encode_with_specials(text))
     else:
-        prompt_ids = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
+        prompt_ids = tokenizer.with_bos(tokenizer.encode(args.prompt))
     new, timing = generate_timed(
         model,
         prompt_ids,

@@ -9,7 +9,15 @@ in `data.system_field`). It is rendered with the tokenizer's Jinja chat template
 
 The mask comes from rendering prefixes: the text up to an assistant reply with the generation prompt
 (A) and up to the end of that reply (B); B without A is the reply. Each piece is tokenized on its
-own, so a token never straddles a prompt and a reply.
+own, so a token never straddles a prompt and a reply. A reply is what the template writes after the
+generation prompt up to the end of its turn: the reply, its end-of-turn token, and what the template
+writes after that token (ChatML's newline after `<|im_end|>`, the built-in template's blank line).
+
+Finding every reply this way needs a template that renders a conversation as a growing prefix. Some
+do not: Qwen3's drops the reasoning block (`<think>...</think>`) of a reply once a later user turn
+follows it. With such a template `training.loss_on = "last_assistant"` (and "all") split the
+conversation only at its last reply (three renders), which works; "assistant" stops with a message
+naming the template and the record.
 """
 
 from __future__ import annotations
@@ -96,7 +104,9 @@ def _raise(message):
 def load_template(setting: str, tokenizer) -> ChatTemplate:
     """data.chat_template: '' = the tokenizer's own (the byte tokenizer: BYTE_CHAT_TEMPLATE), 'builtin' = that
     one, else a .jinja file."""
-    bos, eos = tokenizer.token_text(tokenizer.bos_id), tokenizer.token_text(tokenizer.eos_id)
+    # A model without a BOS (Qwen) has '' as the template's bos_token, as transformers gives it.
+    bos = "" if tokenizer.bos_id is None else tokenizer.token_text(tokenizer.bos_id)
+    eos = tokenizer.token_text(tokenizer.eos_id)
     if setting == "builtin" or (setting == "" and tokenizer.chat_template is None and not hasattr(tokenizer, "path")):
         return ChatTemplate(BYTE_CHAT_TEMPLATE, bos, eos, "titanlite's built-in template")
     if setting == "":
@@ -168,30 +178,85 @@ class ChatEncoder:
         def render(msgs: list[dict], add_generation_prompt: bool = False) -> str:
             return self.template.render(msgs, add_generation_prompt, where)
 
-        pieces, done = [], ""  # (text, counts in the loss)
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        for i in replies:
-            prompt = render(messages[:i], add_generation_prompt=True)
-            upto = render(messages[: i + 1])
-            if not prompt.startswith(done) or not upto.startswith(prompt):
-                raise ConfigError(
-                    f"the chat template from {self.template.origin} does not render a conversation "
-                    f"as a growing prefix (needed to find the assistant's tokens); use "
-                    f"data.chat_template = 'builtin' or a template that does"
-                )
-            trained = self.loss_on == "all" or self.loss_on == "assistant" or i == replies[-1]
-            pieces += [(prompt[len(done) :], self.loss_on == "all"), (upto[len(prompt) :], trained)]
-            done = upto
-        pieces.append((render(messages)[len(done) :], self.loss_on == "all"))
+        pieces = self._split_at_every_reply(messages, replies, render, where)
+        if pieces is None:  # earlier turns render otherwise once later turns follow (Qwen3): the last reply only
+            pieces = self._split_at_last_reply(messages, replies[-1], render, where)
         tokens, mask = [], []
         for text, counts in pieces:
             ids = self.tokenizer.encode_with_specials(text)
             tokens += ids
             mask += [int(counts)] * len(ids)
-        if not tokens or tokens[0] != self.tokenizer.bos_id:
-            tokens, mask = [self.tokenizer.bos_id, *tokens], [0, *mask]
+        bos = self.tokenizer.bos_id
+        if bos is not None and tokens[:1] != [bos]:  # the template does not write the BOS itself: prepended
+            tokens, mask = [bos, *tokens], [0, *mask]
+        if not tokens:
+            raise TemplateRejected(f"the chat template from {self.template.origin} renders nothing{where}", "no text")
         mask[0] = 0  # the first token is never a label (nothing in the conversation predicts it)
         return tokens, mask
+
+    def _split_at_every_reply(self, messages, replies, render, where) -> list[tuple[str, bool]] | None:
+        """The conversation's text in pieces (text, counts in the loss), split before and after every reply; None
+        when the template does not render the conversation as a growing prefix and loss_on needs the last reply
+        only (ConfigError for loss_on = 'assistant')."""
+        pieces, done = [], ""
+        for i in replies:
+            prompt = render(messages[:i], add_generation_prompt=True)
+            if not prompt.startswith(done):
+                if self.loss_on == "assistant":
+                    raise self._earlier_turns_change(where)
+                return None  # the last reply alone can still be found
+            upto = render(messages[: i + 1])
+            if not upto.startswith(prompt):
+                if self.loss_on == "assistant":
+                    raise self._reply_not_after_prompt(where)
+                return None  # not this reply: the last one may still be found alone
+            trained = self.loss_on == "all" or self.loss_on == "assistant" or i == replies[-1]
+            pieces += [(prompt[len(done) :], self.loss_on == "all"), (upto[len(prompt) :], trained)]
+            done = upto
+        full = render(messages)
+        if full.startswith(done):
+            pieces.append((full[len(done) :], self.loss_on == "all"))
+        elif self.loss_on == "all":
+            return None
+        # else: the turns after the last reply render it otherwise (Qwen3 without its reasoning block); they count
+        # in nothing and come after every counted token, so they are left out: the loss is the same.
+        return pieces
+
+    def _earlier_turns_change(self, where: str) -> ConfigError:
+        return ConfigError(
+            f"the chat template from {self.template.origin} renders earlier turns differently once later turns "
+            f"follow{where} (as Qwen3's does: an earlier reply loses its <think> reasoning block), so the tokens of "
+            f"every assistant reply cannot be found in one rendering, which training.loss_on = 'assistant' needs; "
+            f"valid: training.loss_on = 'last_assistant' (the loss on the last reply of each conversation), or "
+            f"records with one assistant reply each"
+        )
+
+    def _split_at_last_reply(self, messages, last, render, where) -> list[tuple[str, bool]]:
+        """Pieces split only before and after the last reply (messages[last]): its prompt (with the generation
+        prompt), the reply, and what follows it."""
+        everything = self.loss_on == "all"
+        prompt = render(messages[:last], add_generation_prompt=True)
+        upto = render(messages[: last + 1])
+        full = render(messages)
+        if not upto.startswith(prompt):
+            if everything:  # no reply to find: the whole conversation counts
+                return [(full, True)]
+            raise self._reply_not_after_prompt(where)
+        if not full.startswith(upto):
+            if everything:
+                return [(full, True)]
+            full = upto  # the turns after the last reply count in nothing (see _split_at_every_reply)
+        return [(prompt, everything), (upto[len(prompt) :], True), (full[len(upto) :], everything)]
+
+    def _reply_not_after_prompt(self, where: str) -> ConfigError:
+        return ConfigError(
+            f"the chat template from {self.template.origin} does not render a conversation with a reply as the "
+            f"conversation before it with the generation prompt (add_generation_prompt) followed by the reply{where}, "
+            f"so the reply's tokens cannot be found (Mistral's v0.3 template, for one, writes a system message into "
+            f"the last user turn of a prompt only); valid: data.chat_template = a .jinja template that does, or "
+            f"'builtin'; with Mistral's, records without a system message"
+        )
 
     def __call__(self, records: dict, first_index: int = 0) -> list:
         """(tokens, mask) per record of a batch (a dict of columns), None for a skipped record."""

@@ -1,5 +1,5 @@
-"""Turning dataset records into the token documents a store holds: plain text ([BOS] text [EOS]); the skip counts
-that every encoder keeps of the records it cannot use."""
+"""Turning dataset records into the token documents a store holds: plain text ([BOS] text [EOS], no BOS for a
+tokenizer without one); the skip counts that every encoder keeps of the records it cannot use."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class SkippedRecords:
 
 
 class TextEncoder:
-    """Plain-text documents: [BOS] + tokens + [EOS], every token counting in the loss; records whose text field
-    is null or not a string are skipped and counted."""
+    """Plain-text documents: [BOS] + tokens + [EOS] (no BOS for a tokenizer without one, as Qwen's), every token
+    counting in the loss; records whose text field is null or not a string are skipped and counted."""
 
     has_mask = False
 
@@ -49,9 +49,10 @@ class TextEncoder:
             else:
                 self.skipped.add(problem, first_index + i)
         tok = self.tokenizer
+        bos = [] if tok.bos_id is None else [tok.bos_id]
         out: list = [None] * len(texts)
         for i, ids in zip(keep, tok.encode_batch([texts[i] for i in keep])):
-            out[i] = ([tok.bos_id, *ids, tok.eos_id], None)
+            out[i] = ([*bos, *ids, tok.eos_id], None)
         return out
 
     def skip_report(self) -> dict[str, list[int]]:

@@ -20,7 +20,8 @@ from titanlite.errors import ConfigError
 
 
 class _TokenStream:
-    """The endless token stream [BOS] doc0 [EOS] [BOS] doc1 [EOS] ..., epoch after epoch.
+    """The endless token stream [BOS] doc0 [EOS] [BOS] doc1 [EOS] ..., epoch after epoch (no BOS for a tokenizer
+    without one).
 
     It knows the (epoch, doc_index, token_offset) of its next token, always inside
     a document (``token_offset`` < the document's length).
@@ -55,7 +56,8 @@ class _TokenStream:
 
     def _tokenize(self, text: str) -> torch.Tensor:
         tok = self._tokenizer
-        return torch.tensor([tok.bos_id, *tok.encode(text), tok.eos_id], dtype=torch.long)
+        bos = [] if tok.bos_id is None else [tok.bos_id]  # a model without a BOS (Qwen): text then EOS
+        return torch.tensor([*bos, *tok.encode(text), tok.eos_id], dtype=torch.long)
 
     def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``n`` tokens, and True where a document starts."""
@@ -89,7 +91,8 @@ class _TokenStream:
 class PackedDataLoader:
     """One global deterministic stream of packed sequences, each DP rank its slice.
 
-    Documents are tokenized as [BOS] + encode(text) + [EOS], concatenated, and cut
+    Documents are tokenized as [BOS] + encode(text) + [EOS] (without the BOS for a
+    tokenizer that has none), concatenated, and cut
     into consecutive windows of seq_len + 1 tokens (inputs = w[:-1], labels = w[1:]).
     When the documents run out, the stream starts again from the first document
     (next epoch), in the same order.

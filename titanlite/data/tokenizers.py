@@ -44,6 +44,10 @@ class ByteTokenizer:
         """The text that stands for a token id in a template (<s>, </s>, or the byte)."""
         return {v: k for k, v in self.SPECIALS.items()}.get(token_id) or bytes([token_id]).decode("latin-1")
 
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """``ids`` as a sequence to continue (a prompt): BOS first, unless they start with it."""
+        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Return the text of ``ids``, skipping BOS/EOS; invalid UTF-8 becomes U+FFFD."""
         if isinstance(ids, torch.Tensor):
@@ -57,9 +61,19 @@ class HFTokenizer:
     BOS/EOS are taken from a ``tokenizer_config.json`` next to the file if it names
     them, else from the first well-known special token the vocabulary has; a
     tokenizer with a single ``<|endoftext|>``-style token uses it for both.
+    ``"bos_token": null`` there (Qwen) means the model has no BOS: ``bos_id`` is None
+    and documents and conversations start without one. An end-of-turn token named as
+    ``eos_token`` (Llama 3 instruct's ``<|eot_id|>``, ChatML's ``<|im_end|>``) ends
+    turns, not documents: documents end with the family's end of text, and
+    generation stops at both (``stop_ids``).
     """
 
-    TURN_END = ("<|eot_id|>", "<|eom_id|>")  # Llama 3 instruct: the end of a turn stops generation
+    # End-of-turn tokens -> the end of text that ends documents of the same family; generation stops at both.
+    TURN_END = {
+        "<|eot_id|>": "<|end_of_text|>",  # Llama 3 instruct
+        "<|eom_id|>": "<|end_of_text|>",  # Llama 3.1 (end of a tool-calling message)
+        "<|im_end|>": "<|endoftext|>",  # ChatML: Qwen
+    }
     BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
     EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
 
@@ -79,17 +93,25 @@ class HFTokenizer:
             raise ConfigError(f"model.tokenizer_path = {str(path)!r} is not a valid tokenizer.json: {e}") from e
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         named = self._config_special_tokens()
-        self.bos_id = self._find_special("bos", named.get("bos_token"), self.BOS_CANDIDATES)
+        if "bos_token" in named and named["bos_token"] is None:
+            self.bos_id = None  # "bos_token": null (Qwen): trained without a BOS, so documents get none
+        else:
+            self.bos_id = self._find_special("bos", named.get("bos_token"), self.BOS_CANDIDATES)
         configured_eos = named.get("eos_token")
-        if configured_eos in self.TURN_END and self._tok.token_to_id("<|end_of_text|>") is not None:
-            configured_eos = "<|end_of_text|>"  # Llama 3 instruct: documents end with end_of_text, turns with eot
-        self.eos_id = self._find_special("eos", configured_eos, self.EOS_CANDIDATES)
+        document_end = self.TURN_END.get(configured_eos)  # an instruct model's end of turn: documents end with text's
+        if document_end is None or self._tok.token_to_id(document_end) is None:
+            document_end = configured_eos
+        self.eos_id = self._find_special("eos", document_end, self.EOS_CANDIDATES)
         stops = [self.eos_id, *(self._tok.token_to_id(t) for t in self.TURN_END), *self._generation_eos()]
         self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
         h = hashlib.sha256(self.path.read_bytes())
         config = self.path.parent / "tokenizer_config.json"
         if config.is_file():
             h.update(config.read_bytes())
+        if self.bos_id is None or (configured_eos == "<|im_end|>" and document_end != configured_eos):
+            # Documents framed otherwise than titanlite did before it knew of models without a BOS and of ChatML's
+            # end of turn: token stores and data positions made then do not match these.
+            h.update(f"documents: bos {self.bos_id}, eos {self.eos_id}".encode())
         self.identity = f"hf-tokenizer-{h.hexdigest()}"  # the files' content, wherever they are
         self.chat_template = self._config_chat_template()
 
@@ -109,14 +131,16 @@ class HFTokenizer:
             raise ConfigError(f"{path} (beside model.tokenizer_path) holds a {type(data).__name__}, not a JSON object")
         return data
 
-    def _config_special_tokens(self) -> dict[str, str]:
+    def _config_special_tokens(self) -> dict[str, str | None]:
+        """bos_token / eos_token of tokenizer_config.json: the token's text, None where it says null (no such
+        token); absent where it names none."""
         data = self._beside("tokenizer_config.json")
         out = {}
         for key in ("bos_token", "eos_token"):
             token = data.get(key)
             if isinstance(token, dict):  # AddedToken serialised as {"content": ...}
                 token = token.get("content")
-            if isinstance(token, str):
+            if isinstance(token, str) or (key in data and data[key] is None):
                 out[key] = token
         return out
 
@@ -157,9 +181,16 @@ class HFTokenizer:
         """encode(); special tokens written in the text (<|eot_id|>, ...) become their ids, as in encode()."""
         return self.encode(text)
 
-    def token_text(self, token_id: int) -> str:
-        """The text of a token id (a special token's name)."""
-        return self._tok.id_to_token(token_id)
+    def token_text(self, token_id: int | None) -> str:
+        """The text of a token id (a special token's name); '' for None (a BOS the model does not have)."""
+        return "" if token_id is None else self._tok.id_to_token(token_id)
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """``ids`` as a sequence to continue (a prompt): BOS first, unless they start with it. A model without a BOS
+        continues them as they are, and nothing as its end of text (what precedes a document in pre-training)."""
+        if self.bos_id is None:
+            return list(ids) or [self.eos_id]
+        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Return the text of ``ids``, skipping special tokens."""
