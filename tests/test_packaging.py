@@ -195,3 +195,14 @@ def test_no_module_outside_models_names_a_model_parameter():
             if text is not None and (m := pattern.search(text)):
                 problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {m.group(0)}")
     assert not problems, problems
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages by name: a new folder under titanlite/ (a model family) must be in it."""
+    import tomli
+
+    listed = set(tomli.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "titanlite").rglob("__init__.py")} | {
+        "titanlite.train_configs"
+    }
+    assert listed == found, (sorted(found - listed), sorted(listed - found))
