@@ -199,9 +199,12 @@ def test_no_module_outside_models_names_a_model_parameter():
 
 def test_every_package_is_in_the_wheel():
     """pyproject.toml lists the packages by name: a new folder under titanlite/ (a model family) must be in it."""
-    import tomli
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib
 
-    listed = set(tomli.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "titanlite").rglob("__init__.py")} | {
         "titanlite.train_configs"
     }
