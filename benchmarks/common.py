@@ -120,12 +120,16 @@ def build_trainer(
     replicate: int,
     gradient_sync: str = "every_microbatch",
     dtype: str = "float32",
+    extra: tuple[str, ...] = (),
 ):
-    """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallelize."""
+    """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallelize (extra:
+    more overrides; with --parallelism.tensor_parallel_degree N the global batch counts world / N dp ranks)."""
     from titanlite.config import load
     from titanlite.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
+    if "--parallelism.tensor_parallel_degree" in extra:
+        world //= int(extra[extra.index("--parallelism.tensor_parallel_degree") + 1])
     flavor = register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
     argv = [
         "--model.flavor",
@@ -152,6 +156,7 @@ def build_trainer(
         "1000000",
         "--job.dump_folder",
         dump_folder,
+        *extra,
     ]
     return Trainer(load(argv))
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 IGNORE_INDEX = -100  # a label that does not count in the loss (padding, prompt tokens)
 
@@ -11,6 +15,12 @@ IGNORE_INDEX = -100  # a label that does not count in the loss (padding, prompt 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum over counted labels of -log softmax(logits)[label], computed in fp32; logits (..., vocab)."""
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def loss_parallel_context(enabled: bool):
+    """The context in which forward and backward compute the loss on vocabulary-split logits (tensor parallelism
+    with loss parallelism), without gathering them; a no-op context otherwise."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
 
 
 def training_loss(compiled: bool):
@@ -37,4 +47,7 @@ def microbatch_loss(
         logits = model(inputs, microbatch[2].to(device, non_blocking=True))
     else:
         logits = model(inputs)
-    return loss_fn(logits, labels), labels
+    loss = loss_fn(logits, labels)
+    if isinstance(loss, DTensor):  # from vocabulary-split logits (loss parallel): the same value on every tp rank
+        loss = loss.full_tensor()
+    return loss, labels

@@ -38,22 +38,34 @@ OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2}
 
 
 def activation_bytes(
-    args, tokens: int, act_bytes: int, wrapped: list[int], op_sac: bool, compiled_loss: bool = False
+    args,
+    tokens: int,
+    act_bytes: int,
+    wrapped: list[int],
+    op_sac: bool,
+    compiled_loss: bool = False,
+    tp: int = 1,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
 ) -> dict[str, int]:
-    """Peak activation bytes of one microbatch of `tokens` tokens, by part (and 'total').
+    """Peak activation bytes of one microbatch of `tokens` tokens on one rank, by part (and 'total').
 
     wrapped: indices of the checkpointed blocks (see parallelize.checkpointed_blocks); op_sac: they
     use selective 'op' checkpointing rather than full recomputation; compiled_loss: the loss is one
-    compiled kernel that keeps only the logits.
+    compiled kernel that keeps only the logits. tp, sequence_parallel, loss_parallel: tensor parallelism
+    (each rank keeps its share of the heads and features; with sequence parallelism 1 / tp of the residual
+    stream's tokens; with loss parallelism 1 / tp of the logits).
     """
-    per_block = args.block_activation_bytes(act_bytes)
+    sp = tp > 1 and sequence_parallel
+    per_block = args.block_activation_bytes(act_bytes, tp, sp)
     kept = per_block["op"] if op_sac else per_block["full"]
     blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
-    loss = args.vocab_size * (act_bytes if compiled_loss else 12)
+    vocab = args.vocab_size // tp if loss_parallel else args.vocab_size
+    loss = vocab * (act_bytes if compiled_loss else 12)
     recompute = per_block["none"] if wrapped else 0
     parts = {
         "blocks": tokens * blocks,
-        "final norm": tokens * args.dim * (4 + 4 + act_bytes),
+        "final norm": tokens * args.dim * (4 + 4 + act_bytes) // (tp if sp else 1),
         "loss or recompute": tokens * max(loss, recompute),
     }
     parts["total"] = sum(parts.values())
@@ -80,12 +92,25 @@ def sharded_state_bytes(model, optimizer_states: int = 2) -> ShardedState:
 
 
 def unit_numels(model) -> list[int]:
-    """Full (unsharded) parameter count of each fully_shard unit of the model, root excluded."""
+    """Parameter count of each fully_shard unit of the model as FSDP gathers it (root excluded): all of it, or
+    this rank's tensor-parallel share."""
     out = []
     for group in model.shard_groups():
         seen = {id(p): p for m in group for p in m.parameters()}
-        out.append(sum(p.numel() for p in seen.values()))
+        out.append(sum(_gathered_numel(p) for p in seen.values()))
     return out
+
+
+def _gathered_numel(p) -> int:
+    """Elements of p once FSDP has gathered it over the data-parallel ranks (split over "tp" only)."""
+    n = p.numel()
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return n
+    for name, placement in zip(mesh.mesh_dim_names or (), p.placements):
+        if name == "tp" and placement.is_shard():
+            n //= mesh.size(mesh.mesh_dim_names.index(name))
+    return n
 
 
 def fsdp_buffer_bytes(units: list[int], param_bytes: int, reduce_bytes: int, reshard_after_forward: str) -> int:

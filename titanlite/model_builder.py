@@ -1,5 +1,6 @@
-"""The one place that builds a model for a plan: on the meta device, then activation checkpointing,
-compile and FSDP, in that order (training); or sharded for inference with every block resharded."""
+"""The one place that builds a model for a plan: on the meta device, then tensor parallelism, activation
+checkpointing, compile and FSDP, in that order (training); or sharded for inference with every block
+resharded (tensor parallel without sequence or loss parallelism)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from titanlite.config import JobConfig
 from titanlite.models.registry import model_class
-from titanlite.parallelize import apply_ac, apply_compile, apply_fsdp
+from titanlite.parallel_dims import split_mesh
+from titanlite.parallelize import apply_ac, apply_compile, apply_fsdp, apply_tp
 
 
 @dataclass
@@ -23,18 +25,29 @@ class BuiltModel:
 def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
 
-    Training applies [activation_checkpoint], [compile] and FSDP with the configured reshard policy;
-    inference applies only FSDP, resharding every block after its forward (weights gathered on demand).
+    Training applies tensor parallelism (a "tp" mesh dimension), [activation_checkpoint], [compile] and FSDP
+    with the configured reshard policy on the data-parallel sub-mesh; inference applies tensor parallelism
+    without sequence or loss parallelism and FSDP, resharding every block after its forward.
     """
     with torch.device("meta"):
         model = model_class(cfg.model.name)(args)
+    dp_mesh, tp_mesh = split_mesh(mesh) if mesh is not None else (None, None)
+    if tp_mesh is not None:
+        p = cfg.parallelism
+        apply_tp(
+            model,
+            tp_mesh,
+            cfg.model.name,
+            sequence_parallel=p.enable_sequence_parallel and not inference,
+            loss_parallel=p.enable_loss_parallel and not inference,
+        )
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
     compiled = 0 if inference else apply_compile(model, cfg.compile)
     num_sharded = 0
     if mesh is not None:
         num_sharded = apply_fsdp(
             model,
-            mesh,
+            dp_mesh,
             param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce,
             reshard_after_forward="always" if inference else cfg.parallelism.fsdp_reshard_after_forward,

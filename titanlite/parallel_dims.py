@@ -1,7 +1,10 @@
-"""Data-parallel degrees -> validated dimensions -> DeviceMesh.
+"""Parallel degrees -> validated dimensions -> DeviceMesh.
 
 replicate 1 gives FSDP on a 1-D ("dp_shard",) mesh; replicate > 1 gives a 2-D
 ("dp_replicate", "dp_shard") mesh: HSDP when shard > 1, plain replication (DDP-like) when shard is 1.
+Tensor parallelism (tp > 1) adds "tp" as the innermost dimension: the tp ranks of one data-parallel
+rank are neighbours (rank = dp_rank * tp + tp_rank), inside a node; FSDP runs on the data-parallel
+sub-mesh and the TP plan on the "tp" one.
 """
 
 from __future__ import annotations
@@ -15,37 +18,49 @@ from titanlite.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved data-parallel degrees for one world size."""
+    """Resolved parallel degrees for one world size."""
 
     dp_replicate: int
     dp_shard: int
     world_size: int
+    tp: int = 1
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
-        """Resolve -1 and check that replicate x shard equals the world size."""
+        """Resolve -1 and check that replicate x shard x tp equals the world size."""
         replicate = parallelism.data_parallel_replicate_degree
         shard = parallelism.data_parallel_shard_degree
-        if shard == -1:
-            if world_size % replicate:
-                raise ConfigError(
-                    f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size "
-                    f"{world_size}, so data_parallel_shard_degree = -1 cannot fill the rest; valid replicate "
-                    f"degrees: {', '.join(str(d) for d in _divisors(world_size))}"
-                )
-            shard = world_size // replicate
-        if replicate * shard != world_size:
+        tp = getattr(parallelism, "tensor_parallel_degree", 1)
+        with_tp = f" x tensor_parallel_degree = {tp}" if tp > 1 else ""
+        if world_size % tp:
             raise ConfigError(
-                f"parallelism.data_parallel_replicate_degree = {replicate} x data_parallel_shard_degree = {shard} "
-                f"= {replicate * shard}, but the world size is {world_size}; the product must equal the world size "
-                f"(set data_parallel_shard_degree = -1 to fill the rest)"
+                f"parallelism.tensor_parallel_degree = {tp} does not divide the world size {world_size}; valid: "
+                f"{', '.join(str(d) for d in _divisors(world_size))}"
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size)
+        if shard == -1:
+            if (world_size // tp) % replicate:
+                raise ConfigError(
+                    f"parallelism.data_parallel_replicate_degree = {replicate}{with_tp} does not divide the world "
+                    f"size {world_size}, so data_parallel_shard_degree = -1 cannot fill the rest; valid replicate "
+                    f"degrees: {', '.join(str(d) for d in _divisors(world_size // tp))}"
+                )
+            shard = world_size // tp // replicate
+        if replicate * shard * tp != world_size:
+            raise ConfigError(
+                f"parallelism.data_parallel_replicate_degree = {replicate} x data_parallel_shard_degree = {shard}"
+                f"{with_tp} = {replicate * shard * tp}, but the world size is {world_size}; the product must equal "
+                f"the world size (set data_parallel_shard_degree = -1 to fill the rest)"
+            )
+        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp)
 
     @property
     def dp_degree(self) -> int:
-        """Ranks that see different data (all of them: there is no tensor or pipeline parallelism)."""
+        """Ranks that see different data: every rank but the tp ranks of one data-parallel rank, which share it."""
         return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of a global rank (tp is the innermost mesh dimension)."""
+        return rank // self.tp
 
     @property
     def hsdp(self) -> bool:
@@ -60,12 +75,17 @@ class ParallelDims:
         return self.dp_replicate == 1
 
     @property
-    def mesh_dim_names(self) -> tuple[str, ...]:
+    def dp_mesh_dim_names(self) -> tuple[str, ...]:
         return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
 
     @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return self.dp_mesh_dim_names + (("tp",) if self.tp > 1 else ())
+
+    @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return (self.dp_replicate, self.dp_shard) if self.dp_replicate > 1 else (self.dp_shard,)
+        dp = (self.dp_replicate, self.dp_shard) if self.dp_replicate > 1 else (self.dp_shard,)
+        return dp + ((self.tp,) if self.tp > 1 else ())
 
     def describe(self) -> str:
         """The log line that says which data parallelism this is."""
@@ -75,9 +95,27 @@ class ParallelDims:
             return f"Replicate-only (DDP-like): replicate_size={self.dp_replicate}, shard_size=1"
         return f"FSDP: shard_size={self.dp_shard}"
 
+    def describe_tp(self, sequence_parallel: bool, loss_parallel: bool) -> str | None:
+        """The log line that says how tensor parallelism runs; None without it."""
+        if self.tp == 1:
+            return None
+        on = [
+            name for name, flag in (("sequence parallel", sequence_parallel), ("loss parallel", loss_parallel)) if flag
+        ]
+        return f"TP: tensor_parallel_size={self.tp}" + (f" ({', '.join(on)})" if on else "")
+
     def build_mesh(self, device_type: str):
         """The DeviceMesh over all ranks (the process group must exist)."""
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
+
+
+def split_mesh(mesh):
+    """(the data-parallel sub-mesh, the "tp" sub-mesh or None) of a mesh built by ParallelDims.build_mesh."""
+    names = tuple(mesh.mesh_dim_names)
+    if "tp" not in names:
+        return mesh, None
+    dp = tuple(n for n in names if n != "tp")
+    return mesh[dp], mesh["tp"]
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,5 +1,5 @@
-"""Apply FSDP2 to a model: the only module that calls `fully_shard`; and, before it, activation
-checkpointing and torch.compile of the transformer blocks.
+"""Apply FSDP2 to a model: the only module that calls `fully_shard`; and, before it, tensor parallelism (the
+family's plan), activation checkpointing and torch.compile of the transformer blocks.
 
 Each group the model names gets its own `fully_shard` with the configured MixedPrecisionPolicy,
 reshard policy and optional CPU offload; the root is sharded last. A 1-D mesh gives FSDP; a 2-D
@@ -9,6 +9,7 @@ reshard policy and optional CPU offload; the root is sharded last. A 1-D mesh gi
 from __future__ import annotations
 
 import logging
+import warnings
 from contextlib import contextmanager
 from functools import partial
 
@@ -20,6 +21,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from titanlite.compat import cpp_compiler_error, has_triton
 from titanlite.dtypes import TORCH_DTYPES
+from titanlite.models.registry import tp_plan
 
 logger = logging.getLogger("titanlite")
 
@@ -62,12 +64,26 @@ def apply_fsdp(
     return len(groups)
 
 
-def describe(num_groups: int, mesh: DeviceMesh, dims) -> list[str]:
-    """The start-up log lines about the sharding (num_groups as returned by apply_fsdp)."""
-    return [
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, family: str, sequence_parallel: bool, loss_parallel: bool):
+    """Tensor parallelism over tp_mesh by the family's plan (models/<family>/); call before AC, compile and FSDP."""
+    tp_plan(family)(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    # The split embedding returns a view; FSDP warns that an in-place op on it would skip its backward hook. The
+    # decoder adds to the residual stream out of place, so the warning would only alarm.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+
+
+def describe(num_groups: int, mesh: DeviceMesh, dims, parallelism=None) -> list[str]:
+    """The start-up log lines about the sharding (num_groups as returned by apply_fsdp; parallelism: the config
+    section, for the TP line)."""
+    lines = [
         dims.describe(),
         f"Sharded {num_groups} modules + root on mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}",
     ]
+    if parallelism is not None and (
+        tp := dims.describe_tp(parallelism.enable_sequence_parallel, parallelism.enable_loss_parallel)
+    ):
+        lines.insert(1, tp)
+    return lines
 
 
 # The FSDPModule setter that each gradient_sync mode turns off before the last microbatch.

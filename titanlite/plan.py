@@ -7,6 +7,7 @@ model shape, data, activation checkpointing, compile); the Trainer, the launcher
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from titanlite.parallel_dims import ParallelDims
 from titanlite.parallelize import compile_problem
 from titanlite.run_control import check_lock_free
 from titanlite.wandb_tracker import wandb_problem
+
+logger = logging.getLogger("titanlite")
 
 
 def batch_plan(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
@@ -101,6 +104,47 @@ class RunPlan:
     model_args: ModelArgs
 
 
+def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+    """ConfigError when parallelism.tensor_parallel_degree cannot split this model or sequence; a warning when it
+    is larger than a node's GPUs (TP across nodes runs every block's collectives over the network)."""
+    tp = dims.tp
+    if tp == 1:
+        return
+    key = f"parallelism.tensor_parallel_degree = {tp}"
+    splits = [
+        ("query heads", args.n_heads, "model.flavor (its n_heads)"),
+        ("KV heads", args.kv_heads, "model.flavor (its n_kv_heads; KV heads are not replicated across tp ranks)"),
+        ("FFN hidden size", args.ffn_hidden_dim, "model.flavor"),
+    ]
+    for what, n, where in splits:
+        if n % tp:
+            valid = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            raise ConfigError(
+                f"{key} does not divide the model's {n} {what} ({where}); valid: "
+                f"{', '.join(map(str, valid))}, or a flavor whose {what} tp divides"
+            )
+    if args.vocab_size % tp:
+        padded = -(-args.vocab_size // tp) * tp
+        raise ConfigError(
+            f"{key} does not divide the vocabulary of {args.vocab_size} rows (the embedding and output are split "
+            f"over it); pad it: model.vocab_size = {padded} (the extra rows are never a label), or a tp that "
+            f"divides {args.vocab_size}"
+        )
+    p = cfg.parallelism
+    if p.enable_sequence_parallel and cfg.training.seq_len % tp:
+        raise ConfigError(
+            f"{key} with parallelism.enable_sequence_parallel = true splits every sequence over the tp ranks, but "
+            f"training.seq_len = {cfg.training.seq_len} is not a multiple of {tp}; valid: a multiple of {tp}, or "
+            f"enable_sequence_parallel = false"
+        )
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NGPU")
+    if per_node and per_node.isdigit() and tp > int(per_node) and int(os.environ.get("RANK", "0")) == 0:
+        logger.warning(
+            f"{key} is larger than the {per_node} processes per node: tensor parallelism across nodes runs every "
+            f"block's collectives over the network; keep tp within a node (FSDP or HSDP across nodes)"
+        )
+
+
 def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None = "cpu") -> RunPlan:
     """Every check a run makes before its process group, as ConfigError; returns the plan.
 
@@ -115,6 +159,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
     if folder is not None:
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
+    check_tensor_parallel(cfg, dims, args)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
         raise ConfigError(

@@ -63,7 +63,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         state = me.sharded_state_bytes(built.model)
         units = me.unit_numels(built.model)
         total_params = sum(p.numel() for p in built.model.parameters())
-        setup_lines = describe(built.num_sharded, mesh, plan.dims)
+        setup_lines = describe(built.num_sharded, mesh, plan.dims, cfg.parallelism)
     finally:
         dist.destroy_process_group()
     t, ac = cfg.training, cfg.activation_checkpoint
@@ -75,6 +75,9 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         built.ac_blocks,
         ac.mode == "selective" and ac.selective_ac_option == "op",
         compiled_loss=cfg.compile.enable and cfg.compile.backend == "inductor",
+        tp=plan.dims.tp,
+        sequence_parallel=cfg.parallelism.enable_sequence_parallel,
+        loss_parallel=plan.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,
     )
     buffers = me.fsdp_buffer_bytes(
         units, pbytes, dtype_bytes(t.mixed_precision_reduce), cfg.parallelism.fsdp_reshard_after_forward

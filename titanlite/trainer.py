@@ -25,7 +25,7 @@ from titanlite.errors import NonFiniteLossError
 from titanlite.exit_status import record_end
 from titanlite.flops import flops_per_token
 from titanlite.hang_watch import HangWatch
-from titanlite.loss import counted_labels, microbatch_loss, training_loss
+from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss, training_loss
 from titanlite.metrics import MetricsLogger
 from titanlite.model_builder import build_model
 from titanlite.models.rope_attention import describe_attention
@@ -76,7 +76,7 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         # Data: every dp rank reads its own sequences (the ranks build a missing token store together).
         loader_args = dict(
-            dp_rank=self.env.rank,
+            dp_rank=self.dims.dp_rank(self.env.rank),  # the tp ranks of one dp rank read the same batches
             dp_degree=self.dims.dp_degree,
             global_batch_size=self.global_batch_size,
             pin_memory=self.device.type == "cuda",
@@ -94,7 +94,7 @@ class Trainer:
         self.model, self.num_sharded = built.model, built.num_sharded
         self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
         self.model.init_weights(cfg.training.seed)
-        for line in describe(self.num_sharded, self.mesh, self.dims) + startup_lines(
+        for line in describe(self.num_sharded, self.mesh, self.dims, cfg.parallelism) + startup_lines(
             self.model, self.model_args, self.dims, cfg
         ):
             logger.info(line)
@@ -111,6 +111,7 @@ class Trainer:
 
         # With [compile] on (inductor only: the loss has no graph breaks to hide), the loss is compiled too.
         self.loss_fn = training_loss(cfg.compile.enable and cfg.compile.backend == "inductor")
+        self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.enable_loss_parallel
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
@@ -150,7 +151,7 @@ class Trainer:
             # Counted on the device: a blocking host-to-device copy would be a host sync every step.
             count = sum(counted_labels(mb[1].to(self.device, non_blocking=True)) for mb in microbatches)
             dist.all_reduce(count)
-            global_tokens = count.clamp(min=1)
+            global_tokens = (count // self.dims.tp).clamp(min=1)  # the tp ranks of a dp rank hold the same labels
         else:
             global_tokens = max(global_tokens, 1)
         # FSDP averages gradients over the dp ranks; scaling by dp_degree makes the gradient that of
@@ -159,7 +160,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             self.hang.phase(f"step {self.step}: forward/backward, microbatch {i + 1} of {len(microbatches)}")
-            with microbatch_sync(self.model, i == len(microbatches) - 1, self.gradient_sync):
+            last = i == len(microbatches) - 1
+            with microbatch_sync(self.model, last, self.gradient_sync), loss_parallel_context(self.loss_parallel):
                 token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
                 (token_loss_sum * scale).backward()
             loss_sum += token_loss_sum.detach()
@@ -174,7 +176,7 @@ class Trainer:
         """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
         total = out.loss_sum.clone()
         dist.all_reduce(total)
-        return (total / out.global_tokens).item()
+        return (total / self.dims.tp / out.global_tokens).item()  # every tp rank holds its dp rank's loss
 
     def train(self) -> dict[int, float]:
         """Train to training.steps; returns the logged loss per step."""

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
-from titanlite.loss import counted_labels, microbatch_loss
+from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss
 
 
 @dataclass
@@ -35,6 +35,8 @@ class Validator:
 
     def __init__(self, cfg: JobConfig, loader):
         self.cfg = cfg.validation
+        p = cfg.parallelism
+        self.loss_parallel = p.tensor_parallel_degree > 1 and p.enable_loss_parallel
         self.loader = loader  # titanlite.data.build.build_loader(cfg, tokenizer, "validation", ...)
         self._start = self.loader.state_dict()
 
@@ -70,7 +72,8 @@ class Validator:
         for step in self._batches():
             batches += 1
             for mb in step.microbatches:
-                loss_sum, labels = microbatch_loss(model, mb, device)
+                with loss_parallel_context(self.loss_parallel):
+                    loss_sum, labels = microbatch_loss(model, mb, device)
                 totals[0] += loss_sum.double()
                 totals[1] += counted_labels(labels)
         if batches == 0:

@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
@@ -145,9 +145,16 @@ def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> None:
 
 
 def _whole_rows(t: DTensor) -> list:
-    """Placements of t that give every rank whole rows: split over columns, or replicated when t is 1-D."""
-    whole = Shard(1) if t.dim() > 1 else Replicate()
-    return [whole if isinstance(p, Shard) else p for p in t.placements]
+    """Placements of t that give every rank whole rows: split over columns, or replicated when t is 1-D or when
+    FSDP splits a tensor-parallel shard again (a strided shard, which DTensor does not move to columns)."""
+    strided = any(_splits(p) and not p.is_shard() for p in t.placements)
+    whole = Shard(1) if t.dim() > 1 and not strided else Replicate()
+    return [whole if _splits(p) else p for p in t.placements]
+
+
+def _splits(placement) -> bool:
+    """Whether a placement splits the tensor: Shard, or FSDP's strided shard of a tensor-parallel shard."""
+    return not placement.is_replicate() and not placement.is_partial()
 
 
 def _column_sharded(t: torch.Tensor) -> torch.Tensor:
@@ -166,7 +173,11 @@ def _permute_rows(t: torch.Tensor, heads: int, fn, placements=None) -> torch.Ten
     out = DTensor.from_local(
         fn(cols.to_local(), heads), cols.device_mesh, cols.placements, shape=t.shape, stride=t.stride()
     )
-    return out.redistribute(placements=placements) if placements is not None else out
+    if placements is None:
+        return out
+    if not any(_splits(p) for p in out.placements):  # whole on every rank: keep this rank's shard
+        return distribute_tensor(out.to_local(), out.device_mesh, placements, src_data_rank=None)
+    return out.redistribute(placements=placements)
 
 
 @torch.no_grad()

@@ -226,6 +226,19 @@ class Parallelism:
     data_parallel_replicate_degree: int = _f(
         1, "replica groups (HSDP when > 1 with shard > 1; DDP-like with shard 1)", lambda v: v >= 1, "a number >= 1"
     )
+    tensor_parallel_degree: int = _f(
+        1,
+        "ranks each block's matmuls are split over (tensor parallelism, the innermost mesh dimension: keep it "
+        "within a node); world = replicate x shard x tp",
+        lambda v: v >= 1,
+        "a number >= 1",
+    )
+    enable_sequence_parallel: bool = _f(
+        True, "with tp > 1: norms and the residual stream split over the sequence (less activation memory)"
+    )
+    enable_loss_parallel: bool = _f(
+        True, "with tp > 1: the output projection and the loss stay split over the vocabulary (no full logits)"
+    )
     fsdp_reshard_after_forward: str = _f(
         "default",
         "free gathered params after forward: default, always, never, or an int (reshard group size)",

@@ -118,9 +118,10 @@ class ModelArgs:
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * self.param_counts()["non_embedding"] + attention
 
-    def block_activation_bytes(self, act_bytes: int) -> dict[str, int]:
-        """Bytes per token one block keeps for backward: 'none' (no AC), 'full' (full AC) and 'op' (selective
-        'op'), counted from what autograd saves in models/decoder.py (checked against torch's MemTracker):
+    def block_activation_bytes(self, act_bytes: int, tp: int = 1, sequence_parallel: bool = True) -> dict[str, int]:
+        """Bytes per token one block keeps for backward on one rank: 'none' (no AC), 'full' (full AC) and 'op'
+        (selective 'op'), counted from what autograd saves in models/decoder.py (checked against torch's MemTracker
+        without tensor parallelism):
 
             norms (2, over dim)   fp32 input and x/rms, the output, fp32 1/rms
             qk-norm (Qwen3)       fp32 input and x/rms over q and k, fp32 1/rms per head
@@ -130,18 +131,23 @@ class ModelArgs:
             selective 'op'        (3*dim + 2*q + 2*kv + 2*ffn) * a + logsumexp: the input and every matmul
                                   output (q/k/v, attention, wo, w1/w3, w2)
 
-        where q = n_heads * head_dim, kv = kv_heads * head_dim and a = act_bytes.
+        where q = n_heads * head_dim, kv = kv_heads * head_dim and a = act_bytes. With tensor parallelism over tp
+        ranks, heads, q, kv and ffn are each rank's share (/ tp); with sequence parallelism the residual stream and
+        the norms hold 1 / tp of the tokens, the matmuls keep their whole-sequence inputs (all-gathered, 2*dim*a)
+        and the out-projections' whole-sequence outputs before the reduce-scatter (selective 'op').
         """
         a, d = act_bytes, self.dim
-        q, kv, ffn = self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
-        lse = 4 * self.n_heads
-        norms = 2 * d * (4 + 4 + a) + 2 * 4
+        heads, kv_heads = self.n_heads // tp, self.kv_heads // tp
+        q, kv, ffn = heads * self.head_dim, kv_heads * self.head_dim, self.ffn_hidden_dim // tp
+        share = 1 / tp if sequence_parallel else 1.0  # of the residual stream's tokens on this rank
+        norms = (2 * d * (4 + 4 + a) + 2 * 4) * share + 2 * d * a * (1 - share)  # + the gathered matmul inputs
         if self.qk_norm:
-            norms += (q + kv) * (4 + 4) + 4 * (self.n_heads + self.kv_heads)  # its output is RoPE's saved input
+            norms += (q + kv) * (4 + 4) + 4 * (heads + kv_heads)  # its output is RoPE's saved input
+        lse = 4 * heads
         return {
-            "none": norms + (2 * q + 2 * kv + 4 * ffn) * a + lse,
-            "full": d * a,
-            "op": (3 * d + 2 * q + 2 * kv + 2 * ffn) * a + lse,
+            "none": int(norms + (2 * q + 2 * kv + 4 * ffn) * a + lse),
+            "full": int(d * a * share),
+            "op": int(d * a * share + (2 * d + 2 * q + 2 * kv + 2 * ffn) * a + lse),
         }
 
 

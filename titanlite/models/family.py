@@ -1,7 +1,8 @@
 """The model-family protocol (no torch): what a family folder under models/ declares.
 
 A family is its published shapes (flavors of ModelArgs), its nn.Module ("module:Class"; the module
-builds from ModelArgs, names its shard groups and fills its weights by name), and its HuggingFace
+builds from ModelArgs, names its shard groups and fills its weights by name), its tensor-parallel plan
+("module:function"), and its HuggingFace
 architecture: the config.json class it reads and writes, the switches that class implies, and a check
 that refuses the config.json settings titanlite does not implement. Shapes, FLOPs, the memory
 inventory and the tensor names all come from ModelArgs; a new family that is this decoder with
@@ -41,3 +42,6 @@ class Family:
     flavors: dict[str, ModelArgs]
     model: str  # "module:Class"
     hf: HFArchitecture
+    # "module:function" applying tensor parallelism to the model in place: (model, tp_mesh, *, sequence_parallel,
+    # loss_parallel)
+    tp_plan: str = "titanlite.models.decoder_tp:parallelize_decoder"

@@ -34,6 +34,12 @@ def model_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
+def tp_plan(name: str):
+    """The function that applies a family's tensor-parallel plan to its model (imports torch)."""
+    module, _, function = FAMILIES[name].tp_plan.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def family_of_config(config: dict, source: str) -> Family:
     """The family whose HF architecture a config.json describes; ConfigError naming the supported ones."""
     model_type, archs = architecture_of(config, source)

@@ -1,0 +1,191 @@
+"""Tensor parallelism composed with FSDP/HSDP: the same weights, losses and resume at every (replicate, shard, tp).
+
+World sizes 1, 2 and 4 with gloo on CPU: TP(2) alone, FSDP(2) x TP(2), replicate(2) x TP(2), with accumulation,
+block-causal attention and a Qwen3 flavor (qk-norm on each rank's heads)."""
+
+import types
+
+import pytest
+import torch
+
+from helpers import ckpt_argv, make_trainer, run_distributed, tiny_argv
+
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+
+
+def _parallelism(shard=-1, replicate=1, tp=1, sp=True, lp=True):
+    return types.SimpleNamespace(
+        data_parallel_shard_degree=shard,
+        data_parallel_replicate_degree=replicate,
+        tensor_parallel_degree=tp,
+        enable_sequence_parallel=sp,
+        enable_loss_parallel=lp,
+    )
+
+
+def test_dims_mesh_names_and_ranks():
+    from titanlite.parallel_dims import ParallelDims
+
+    d = ParallelDims.from_config(_parallelism(replicate=2, tp=2), 8)
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.dp_degree) == (2, 2, 2, 4)
+    assert d.mesh_dim_names == ("dp_replicate", "dp_shard", "tp") and d.mesh_shape == (2, 2, 2)
+    assert [d.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # tp innermost: neighbours share data
+    assert d.describe() == "HSDP: replicate_size=2, shard_size=2"
+    assert d.describe_tp(True, True) == "TP: tensor_parallel_size=2 (sequence parallel, loss parallel)"
+    assert d.describe_tp(False, False) == "TP: tensor_parallel_size=2"
+    assert ParallelDims.from_config(_parallelism(), 4).describe_tp(True, True) is None
+    one = ParallelDims.from_config(_parallelism(tp=4), 4)
+    assert (one.dp_shard, one.mesh_dim_names, one.mesh_shape) == (1, ("dp_shard", "tp"), (1, 4))
+
+
+def test_tp_validation_names_the_values(tmp_path):
+    from titanlite.config import ConfigError, load
+    from titanlite.parallel_dims import ParallelDims
+    from titanlite.plan import validate_for_world
+
+    with pytest.raises(ConfigError, match="tensor_parallel_degree = 2 does not divide the world size 3; valid: 1, 3"):
+        ParallelDims.from_config(_parallelism(tp=2), 3)
+    with pytest.raises(ConfigError, match="replicate_degree = 3 x data_parallel_shard_degree = 1 x tensor_paral"):
+        ParallelDims.from_config(_parallelism(shard=1, replicate=3, tp=2), 4)
+
+    def check(*extra, world=4):
+        validate_for_world(load(tiny_argv(tmp_path, *extra)), world, device_type=None)
+
+    with pytest.raises(ConfigError, match="= 4 does not divide the model's 2 KV heads .*not replicated"):
+        check("--parallelism.tensor_parallel_degree", "4")  # tiny: 4 heads, 2 KV heads
+    with pytest.raises(ConfigError, match="does not divide the vocabulary of 258 rows .* model.vocab_size = 260"):
+        check("--parallelism.tensor_parallel_degree", "4", "--model.flavor", "debugmodel")
+    check("--parallelism.tensor_parallel_degree", "4", "--model.flavor", "debugmodel", "--model.vocab_size", "260")
+    with pytest.raises(ConfigError, match="training.seq_len = 30 is not a multiple of 4.*enable_sequence_parallel"):
+        check("--parallelism.tensor_parallel_degree", "4", "--model.flavor", "debugmodel", "--model.vocab_size", "260",
+              "--training.seq_len", "30")  # fmt: skip
+
+
+def _train_tp(tmp, runs):
+    """Per run (name, argv): the losses and the step-0 full weights."""
+    out = {}
+    for name, argv in runs:
+        t = make_trainer(tiny_argv(f"{tmp}/{name}", "--training.global_batch_size", "8", *argv))
+        init = {k: v.full_tensor().detach().clone() for k, v in t.model.state_dict().items()}
+        out[name] = (t.train(), init)
+    return out
+
+
+def _variants(extra=()):
+    replicate = ("--parallelism.data_parallel_replicate_degree", "2")
+    delay = ("--parallelism.hsdp_delay_all_reduce",)
+    no_sp_lp = ("--parallelism.enable_sequence_parallel", "false", "--parallelism.enable_loss_parallel", "false")
+    return {
+        1: [("single", ["--training.local_batch_size", "8", *extra])],
+        2: [("tp2", ["--training.local_batch_size", "8", *TP2, *extra])],
+        4: [
+            ("fsdp2_tp2", ["--training.local_batch_size", "4", *TP2, *extra]),
+            ("replicate2_tp2", ["--training.local_batch_size", "4", *TP2, *replicate, *extra]),
+            ("fsdp2_tp2_accum2", ["--training.local_batch_size", "2", *TP2, *extra]),
+            ("replicate2_tp2_accum2_delay", ["--training.local_batch_size", "2", *TP2, *replicate, *delay, *extra]),
+            ("fsdp2_tp2_no_sp_no_lp", ["--training.local_batch_size", "4", *TP2, *no_sp_lp, *extra]),
+        ],
+    }
+
+
+def _assert_same(results, ref_name="single"):
+    ref_losses, ref_init = results[ref_name]
+    assert ref_losses[10] < ref_losses[1]
+    for name, (losses, init) in results.items():
+        for k, v in ref_init.items():
+            assert torch.equal(init[k], v), (name, k)  # bit-identical weights at step 0
+        for step, loss in ref_losses.items():
+            assert abs(losses[step] - loss) <= 1e-5 * abs(loss), (name, step, losses[step], loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--model.attention", "block_causal"), ("--model.name", "qwen3", "--model.tie_embeddings")],
+    ids=["causal", "block_causal", "qwen3_tied"],
+)
+def test_same_weights_and_losses_at_every_tp_topology(tmp_path, extra):
+    results = {}
+    for world, runs in _variants(extra).items():
+        results.update(run_distributed(_train_tp, world, str(tmp_path / str(world)), runs)[0])
+    _assert_same(results)
+
+
+def _resume_tp(tmp, local, extra, save):
+    base = ckpt_argv(tmp, "--training.local_batch_size", str(local), *extra)
+    if save:
+        t = make_trainer(base + ["--checkpoint.folder", "a", "--checkpoint.interval", "3"])
+        losses = t.train()
+        resumed = make_trainer(base + ["--checkpoint.folder", "a", "--checkpoint.load_step", "3"]).train()
+        return {"losses": losses, "resumed": resumed}
+    return {"resumed": make_trainer(base + ["--checkpoint.folder", "a", "--checkpoint.load_step", "3"]).train()}
+
+
+@pytest.mark.slow
+def test_resume_exact_under_fsdp_tp_and_on_other_topologies(tmp_path):
+    saved = run_distributed(_resume_tp, 4, str(tmp_path), 2, TP2, True)[0]  # FSDP(2) x TP(2), accumulation 2
+    ref = saved["losses"]
+    assert saved["resumed"] == {s: ref[s] for s in (4, 5, 6)}  # exact on the same topology
+    for world, local, extra in ((1, 4, ()), (2, 4, TP2), (4, 1, ())):  # one process, TP(2), FSDP(4)
+        resumed = run_distributed(_resume_tp, world, str(tmp_path), local, extra, False)[0]["resumed"]
+        assert sorted(resumed) == [4, 5, 6]
+        for s in (4, 5, 6):
+            assert abs(resumed[s] - ref[s]) <= 1e-5 * ref[s], (world, extra, s)
+
+
+def _hf_under_tp(folder, out):
+    """Import a HF folder under FSDP(2) x TP(2) (the full weights), export it back as a HF folder, and greedy-generate
+    with the weights kept split (tp 2, no sequence or loss parallelism) from the imported folder."""
+    import torch.distributed as dist
+
+    from titanlite.checkpoint.hf_io import save_hf_sharded
+    from titanlite.config import load
+    from titanlite.data.tokenizers import ByteTokenizer
+    from titanlite.distributed import init_distributed
+    from titanlite.generation import generate, inference_model, load_weights
+    from titanlite.parallel_dims import ParallelDims
+
+    init_distributed()
+    argv = tiny_argv(
+        f"{out}/run", "--model.name", "qwen2", "--model.flavor", "hf", "--checkpoint.initial_load_path", folder, *TP2
+    )
+    t = make_trainer(argv + ["--training.local_batch_size", "4", "--training.global_batch_size", "8"])
+    full = {k: v.full_tensor() for k, v in t.model.state_dict().items()}
+    save_hf_sharded(t.model, f"{out}/export", torch.float32, ByteTokenizer())
+    cfg = load(argv)
+    dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
+    model = inference_model(cfg, 258, torch.device("cpu"), dims.build_mesh("cpu"))
+    load_weights(model, folder)
+    tokens = generate(model, [1, 2, 3, 4, 5], 32)
+    return full if dist.get_rank() == 0 else None, tokens, model.layers[0].attention.n_kv_heads
+
+
+@pytest.mark.slow
+def test_hf_import_export_and_generation_under_tp(tmp_path):
+    """A Qwen2 folder (q/k/v biases, permuted with their rows) under FSDP(2) x TP(2): bit-identical import, an export
+    equal to the one-process export, and KV-cache generation equal to one process."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from test_model_families import _titanlite_from, hf_family_model
+
+    from titanlite.checkpoint.hf_io import save_hf_sharded
+    from titanlite.data.tokenizers import ByteTokenizer
+    from titanlite.generation import generate
+
+    hf_family_model(tmp_path / "hf", "qwen2", tied=True)
+    ref = _titanlite_from(tmp_path / "hf")
+    save_hf_sharded(ref, tmp_path / "export1", torch.float32, ByteTokenizer())
+    ref_tokens = generate(ref, [1, 2, 3, 4, 5], 32)
+    res = run_distributed(_hf_under_tp, 4, str(tmp_path / "hf"), str(tmp_path))
+    full = res[0][0]
+    for k, v in ref.state_dict().items():
+        assert torch.equal(full[k], v), k
+    one = {k: v for f in (tmp_path / "export1").glob("*.safetensors") for k, v in load_file(f).items()}
+    split = {k: v for f in (tmp_path / "export").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert one.keys() == split.keys() and all(torch.equal(one[k], split[k]) for k in one)
+    back = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "export").eval()
+    x = torch.randint(0, 300, (1, 50))
+    with torch.no_grad():
+        assert (back(x).logits - ref(x)).abs().max() < 1e-5
+    for _, tokens, local_kv_heads in res:
+        assert tokens == ref_tokens and local_kv_heads == 1  # 2 KV heads over tp 2

@@ -1,0 +1,96 @@
+"""The tensor-parallel plan of the decoder (every built-in family): which module is split how over the "tp" mesh.
+
+Megatron-style: q/k/v and the FFN in-projections column-parallel (each rank a part of the heads and of the
+hidden features), the out-projections row-parallel (one reduction per attention and per FFN), the embedding
+and the output projection split over the vocabulary. With sequence parallelism the residual stream and the
+norms hold seq / tp tokens per rank (the reductions become reduce-scatters, and all-gathers bring the whole
+sequence to attention and the FFN); without it they are replicated. With loss parallelism the logits stay
+split over the vocabulary and the loss is computed on the shards (loss.loss_parallel_context).
+
+Qwen3's per-head q/k norms act on each rank's own heads; their weight is replicated over tp and its gradient
+summed over the ranks (SequenceParallel over the head dimension). Qwen2's q/k/v biases are split with their
+rows. The attention module's head counts become the local ones, which the KV cache reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module whose parameters are replicated over tp and whose input and output are whole, identical on every
+    tp rank (the norms without sequence parallelism): DTensors inside, plain tensors outside."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            dist_param = DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+        def to_dtensor(mod, inputs):
+            return tuple(
+                DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(lambda mod, inputs, out: out.to_local() if isinstance(out, DTensor) else out)
+        return module
+
+
+def parallelize_decoder(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool):
+    """Apply the plan to a decoder.Transformer in place (on the meta device, before activation checkpointing,
+    compile and FSDP)."""
+    tp = tp_mesh.size()
+    seq = Shard(1) if sequence_parallel else Replicate()
+    norm = SequenceParallel if sequence_parallel else ReplicateParallel
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "norm": norm(),
+            "output": ColwiseParallel(
+                input_layouts=seq,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    for block in model.layers:
+        plan = {
+            "attention_norm": norm(),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "ffn_norm": norm(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:  # the whole sequence for attention (x, rope, mask, cache) and the FFN
+            plan["attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            )
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        if block.attention.q_norm is not None:  # over each rank's heads (dim 2 of (batch, seq, heads, head_dim))
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+        block.attention.n_heads //= tp
+        block.attention.n_kv_heads //= tp
+    if model.args.tie_embeddings:  # both are split over the vocabulary rows (Shard(0)): one parameter again
+        model.output.weight = model.tok_embeddings.weight
