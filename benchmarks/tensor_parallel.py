@@ -41,10 +41,11 @@ def _collectives(trainer, microbatch) -> dict:
     trainer.optimizer.zero_grad(set_to_none=True)
     out = {}
     for fqn, passes in mode.comm_module_counts.items():
-        if fqn in ("Global", "layers.0"):
+        where = "model" if fqn == "Global" else "one block" if fqn.split(".")[-2:] == ["layers", "0"] else None
+        if where:
             for name in ("forward", "backward"):
                 counts = {str(op).split(".")[-1]: n for op, n in passes.get(name, {}).items() if n}
-                out[("model" if fqn == "Global" else "one block", name)] = counts
+                out[(where, name)] = counts
     return out
 
 

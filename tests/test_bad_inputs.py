@@ -93,7 +93,20 @@ CONFIG = [
     ),
     Case("tokenizer-missing", "config", "train", train("--model.tokenizer_path", "{tmp}/tok.json"), ("tok.json",)),
     Case("world-size-bad", "config", "config", ("--world-size", "0"), ("--world-size '0'",)),
-]
+    # tensor parallelism: degrees the world, the model or the sequence cannot be split by
+    Case("tp-does-not-divide-world", "config", "config", ("--world-size", "3", "--parallelism.tensor_parallel_degree",
+         "2"), ("parallelism.tensor_parallel_degree = 2 does not divide the world size 3", "valid: 1, 3")),
+    Case("tp-more-than-kv-heads", "config", "config", ("--world-size", "4", "--parallelism.tensor_parallel_degree",
+         "4", "--model.flavor", "tiny"), ("tensor_parallel_degree = 4 does not divide the model's 2 KV heads",
+                                          "valid: 1, 2")),
+    Case("tp-does-not-divide-vocab", "config", "config", ("--world-size", "4", "--parallelism.tensor_parallel_degree",
+         "4"), ("does not divide the vocabulary of 258 rows", "model.vocab_size = 260")),
+    Case("tp-seq-len-not-a-multiple", "config", "config", ("--world-size", "2", "--parallelism.tensor_parallel_degree",
+         "2", "--training.seq_len", "33"), ("training.seq_len = 33 is not a multiple of 2",
+                                           "enable_sequence_parallel = false")),
+    Case("tp-degree-zero", "config", "train", train("--parallelism.tensor_parallel_degree", "0"),
+         ("parallelism.tensor_parallel_degree = 0", "a number >= 1")),
+]  # fmt: skip
 
 NUMERIC = [
     Case("lr-infinite", "numeric", "train", train("--optimizer.lr", "inf"), ("optimizer.lr = 'inf'", "finite")),

@@ -164,3 +164,33 @@ def test_dry_run_sizes_qwen3_8b_and_32b(capsys):
     full = ("--activation_checkpoint.mode", "full", "--parallelism.data_parallel_replicate_degree", "1")
     code, out, _ = _main(capsys, 16, *no_files, "--model.flavor", "32B", *full)
     assert code == 0 and "fits: yes" in out
+
+
+def test_dry_run_70b_and_405b_with_tensor_parallelism(capsys, monkeypatch):
+    """70B on 2 x 8 GPUs as FSDP 2 x TP 8 fits (FSDP alone needs 32 GPUs); per-rank state is the total over
+    shard x tp plus the norms, which tp replicates; 405B fits on 16 x 8 GPUs, not on 8 x 8; tp beyond a node warns."""
+    code, out, _ = _main(capsys, 16, "--job.config_file", "llama70b_fsdp_tp")
+    assert code == 0 and "fits: yes" in out
+    assert "FSDP: shard_size=2" in out and "TP: tensor_parallel_size=8 (sequence parallel, loss parallel)" in out
+    assert "mesh ('dp_shard', 'tp') (2, 8)" in out
+    total, norms = 70_553_706_496, (2 * 80 + 1) * 8192
+    rows = _table(out)
+    assert abs(rows["parameters"] - ((total - norms) / 16 + norms / 2) * 4 / GIB) < 0.01
+    assert rows["gradients"] == rows["parameters"] and abs(rows["optimizer"] - 2 * rows["parameters"]) < 0.01
+    code, out, _ = _main(capsys, 16, "--job.config_file", "llama70b_fsdp", "--training.global_batch_size", "16")
+    assert code == 1 and "fits: no" in out
+    for world, fits in ((64, False), (128, True)):
+        code, out, _ = _main(capsys, world, "--job.config_file", "llama70b_fsdp_tp", "--model.flavor", "405B")
+        assert ("fits: yes" in out) == fits and code == (0 if fits else 1), world
+    monkeypatch.setenv("NGPU", "4")
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("titanlite").addHandler(handler)
+    try:
+        _main(capsys, 16, "--job.config_file", "llama70b_fsdp_tp")
+    finally:
+        logging.getLogger("titanlite").removeHandler(handler)
+    assert any("larger than the 4 processes per node" in r.getMessage() for r in records)
