@@ -194,3 +194,16 @@ def test_dry_run_70b_and_405b_with_tensor_parallelism(capsys, monkeypatch):
     finally:
         logging.getLogger("titanlite").removeHandler(handler)
     assert any("larger than the 4 processes per node" in r.getMessage() for r in records)
+
+
+def test_torchtitan_selective_policy_fits_the_8b_shape(capsys):
+    """TorchTitan's 8B shape on 8 GPUs (local batch 2, seq 8192): selective 'op' keeping every matmul does not
+    fit 80 GB; TorchTitan's policy (every second matmul recomputed) does."""
+    shape = ("--job.config_file", "llama8b_fsdp", "--training.local_batch_size", "2")
+    shape += ("--training.global_batch_size", "16")
+    code, out, _ = _main(capsys, 8, *shape)
+    assert code == 1 and "fits: no" in out
+    every_matmul = _table(out)
+    code, out, _ = _main(capsys, 8, *shape, "--activation_checkpoint.selective_op_policy", "every_second_matmul")
+    assert code == 0 and "fits: yes" in out and "selective op, half the matmuls on 32 of 32 blocks" in out
+    assert _table(out)["activations"] < 0.8 * every_matmul["activations"]

@@ -44,6 +44,7 @@ def activation_bytes(
     wrapped: list[int],
     op_sac: bool,
     compiled_loss: bool = False,
+    op_policy: str = "all_matmuls",
     tp: int = 1,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
@@ -51,14 +52,16 @@ def activation_bytes(
     """Peak activation bytes of one microbatch of `tokens` tokens on one rank, by part (and 'total').
 
     wrapped: indices of the checkpointed blocks (see parallelize.checkpointed_blocks); op_sac: they
-    use selective 'op' checkpointing rather than full recomputation; compiled_loss: the loss is one
+    use selective 'op' checkpointing rather than full recomputation, keeping the outputs op_policy says
+    (all_matmuls or every_second_matmul); compiled_loss: the loss is one
     compiled kernel that keeps only the logits. tp, sequence_parallel, loss_parallel: tensor parallelism
     (each rank keeps its share of the heads and features; with sequence parallelism 1 / tp of the residual
     stream's tokens; with loss parallelism 1 / tp of the logits).
     """
     sp = tp > 1 and sequence_parallel
     per_block = args.block_activation_bytes(act_bytes, tp, sp)
-    kept = per_block["op"] if op_sac else per_block["full"]
+    op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
+    kept = op if op_sac else per_block["full"]
     blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
     vocab = args.vocab_size // tp if loss_parallel else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)

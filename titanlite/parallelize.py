@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titanlite.compat import cpp_compiler_error, has_triton
 from titanlite.dtypes import TORCH_DTYPES
@@ -146,6 +146,27 @@ _AC_SAVE_OPS = [
 ]
 
 
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _every_second_matmul_context():
+    """TorchTitan's selective policy for one checkpointed call: keep attention and the 1st, 3rd, ... matmul of
+    the block (q, v, w1, w2 in the decoder), recompute the others and every cheap op. The recompute counts its
+    matmuls the same way, so it keeps and recomputes the same ones."""
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in _MATMULS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            keep = counts[key] % 2 == 1
+        else:
+            keep = func in _AC_SAVE_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def checkpointed_blocks(num_blocks: int, ac_cfg) -> list[int]:
     """Indices of the transformer blocks that activation checkpointing wraps.
 
@@ -163,7 +184,10 @@ def ac_label(ac_cfg) -> str:
     """The AC mode as the log and the dry run print it: none, full, selective op, selective every k-th."""
     if ac_cfg.mode != "selective":
         return ac_cfg.mode
-    return "selective op" if ac_cfg.selective_ac_option == "op" else f"selective every {ac_cfg.selective_ac_option}"
+    if ac_cfg.selective_ac_option != "op":
+        return f"selective every {ac_cfg.selective_ac_option}"
+    every_second = getattr(ac_cfg, "selective_op_policy", "all_matmuls") == "every_second_matmul"
+    return "selective op, half the matmuls" if every_second else "selective op"
 
 
 def describe_ac_compile(ac_cfg, ac_blocks: list[int], compiled: int, num_blocks: int) -> str:
@@ -181,7 +205,10 @@ def apply_ac(model: nn.Module, ac_cfg) -> list[int]:
     wrapped = checkpointed_blocks(len(model.layers), ac_cfg)
     context_fn = None
     if ac_cfg.mode == "selective" and ac_cfg.selective_ac_option == "op":
-        context_fn = partial(create_selective_checkpoint_contexts, _AC_SAVE_OPS)
+        if getattr(ac_cfg, "selective_op_policy", "all_matmuls") == "every_second_matmul":
+            context_fn = _every_second_matmul_context
+        else:
+            context_fn = partial(create_selective_checkpoint_contexts, _AC_SAVE_OPS)
     for i in wrapped:
         _checkpoint_forward(model.layers[i], context_fn)
     return wrapped

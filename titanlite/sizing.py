@@ -75,6 +75,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         built.ac_blocks,
         ac.mode == "selective" and ac.selective_ac_option == "op",
         compiled_loss=cfg.compile.enable and cfg.compile.backend == "inductor",
+        op_policy=ac.selective_op_policy,
         tp=plan.dims.tp,
         sequence_parallel=cfg.parallelism.enable_sequence_parallel,
         loss_parallel=plan.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,
@@ -95,6 +96,12 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         ac_blocks=built.ac_blocks,
         compiled=built.compiled,
     )
+
+
+def _activation_text(tokens: int, dtype: str, ac: str) -> str:
+    """What the activations row counts, within its column (the dtype is left out when it does not fit)."""
+    text = f"{tokens} tokens, {dtype}, {ac}"
+    return text if len(text) <= 46 else f"{tokens} tokens, {ac}"
 
 
 def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[list[str], bool]:
@@ -130,7 +137,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             row("gradients", f"fp32 shards on {where_state}", est.grads),
             row("optimizer", f"{cfg.optimizer.name}, 2 x fp32 per parameter on {where_state}", est.optimizer),
             row("FSDP buffers", f"gathered units + unsharded grads ({p_dtype})", buffers),
-            row("activations", f"{tokens} tokens, {p_dtype}, {ac_label(ac)}", act["total"]),
+            row("activations", _activation_text(tokens, p_dtype, ac_label(ac)), act["total"]),
         ]
         + [row("", f"  {k}", v) for k, v in act.items() if k != "total"]
         + [

@@ -378,6 +378,14 @@ class ActivationCheckpoint:
         lambda v: v == "op" or (v.isdigit() and int(v) >= 1),
         "'op' or an integer >= 1 (checkpoint every k-th block)",
     )
+    selective_op_policy: str = _f(
+        "all_matmuls",
+        "selective 'op': which outputs each block keeps; all_matmuls (every matmul and attention output: least "
+        "recompute) or every_second_matmul (TorchTitan's: attention and every other matmul, the rest recomputed: "
+        "less memory, about a third of the block's matmul FLOPs again in backward)",
+        _one_of("all_matmuls", "every_second_matmul"),
+        "all_matmuls or every_second_matmul",
+    )
 
 
 @dataclass

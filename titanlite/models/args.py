@@ -119,9 +119,10 @@ class ModelArgs:
         return 6 * self.param_counts()["non_embedding"] + attention
 
     def block_activation_bytes(self, act_bytes: int, tp: int = 1, sequence_parallel: bool = True) -> dict[str, int]:
-        """Bytes per token one block keeps for backward on one rank: 'none' (no AC), 'full' (full AC) and 'op'
-        (selective 'op'), counted from what autograd saves in models/decoder.py (checked against torch's MemTracker
-        without tensor parallelism):
+        """Bytes per token one block keeps for backward on one rank: 'none' (no AC), 'full' (full AC), 'op'
+        (selective 'op') and 'op_every_second' (selective 'op', TorchTitan's every-second-matmul policy), counted
+        from what autograd saves in models/decoder.py (checked against torch's MemTracker without tensor
+        parallelism):
 
             norms (2, over dim)   fp32 input and x/rms, the output, fp32 1/rms
             qk-norm (Qwen3)       fp32 input and x/rms over q and k, fp32 1/rms per head
@@ -130,6 +131,8 @@ class ModelArgs:
             full AC               dim * a (the block's input)
             selective 'op'        (3*dim + 2*q + 2*kv + 2*ffn) * a + logsumexp: the input and every matmul
                                   output (q/k/v, attention, wo, w1/w3, w2)
+            'op', every second    (2*dim + 2*q + kv + ffn) * a + logsumexp: the input, attention and the 1st,
+              matmul              3rd, ... matmul output (q, v, w1, w2); k, wo and w3 are recomputed
 
         where q = n_heads * head_dim, kv = kv_heads * head_dim and a = act_bytes. With tensor parallelism over tp
         ranks, heads, q, kv and ffn are each rank's share (/ tp); with sequence parallelism the residual stream and
@@ -148,6 +151,7 @@ class ModelArgs:
             "none": int(norms + (2 * q + 2 * kv + 4 * ffn) * a + lse),
             "full": int(d * a * share),
             "op": int(d * a * share + (2 * d + 2 * q + 2 * kv + 2 * ffn) * a + lse),
+            "op_every_second": int(d * a * share + (d + 2 * q + kv + ffn) * a + lse),
         }
 
 
