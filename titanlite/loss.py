@@ -39,15 +39,18 @@ def microbatch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy, labels on the device) of one microbatch (inputs, labels[, positions]).
 
-    A model with block-causal attention also gets the positions, which mark where documents start.
+    A model with block-causal attention also gets the positions, which mark where documents start. A model
+    whose loss_chunk_tokens is set computes the loss itself, in chunks (no full logits); else loss_fn takes
+    its logits.
     """
     inputs = microbatch[0].to(device, non_blocking=True)
     labels = microbatch[1].to(device, non_blocking=True)
+    args = []
     if len(microbatch) > 2 and getattr(getattr(model, "args", None), "attention", "causal") == "block_causal":
-        logits = model(inputs, microbatch[2].to(device, non_blocking=True))
-    else:
-        logits = model(inputs)
-    loss = loss_fn(logits, labels)
+        args.append(microbatch[2].to(device, non_blocking=True))
+    if getattr(model, "loss_chunk_tokens", 0) > 0 and loss_fn is summed_cross_entropy:
+        return model(inputs, *args, labels=labels), labels
+    loss = loss_fn(model(inputs, *args), labels)
     if isinstance(loss, DTensor):  # from vocabulary-split logits (loss parallel): the same value on every tp rank
         loss = loss.full_tensor()
     return loss, labels

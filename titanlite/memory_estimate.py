@@ -8,11 +8,12 @@ tests/test_activation_checkpoint.py; around the blocks:
     recompute (any AC)       one checkpointed block rebuilds its F in backward
     final norm               3*dim * a
     loss                     vocab * 12: the logits, their fp32 copy and log_softmax's fp32 output,
-                             alive together at the loss (measured on CPU by MemTracker);
+                             alive together at the loss (measured on CPU by MemTracker); in chunks
+                             (training.loss_chunk_tokens) vocab * (12 + a) for one chunk's tokens only;
                              compiled loss ([compile] with inductor): vocab * a, the logits only (one
                              fused kernel reads them; no fp32 copy is kept)
 
-    activations = B*S * (sum over blocks + final norm + max(loss, recompute))
+    activations = B*S * (sum over blocks + final norm) + max(loss tokens * loss, B*S * recompute)
 
 Selective k wraps every k-th block (C) and leaves the others at F. Fused GPU kernels (RMSNorm,
 attention backends) save a little less, so on GPUs this is an upper bound by a few percent.
@@ -45,6 +46,7 @@ def activation_bytes(
     op_sac: bool,
     compiled_loss: bool = False,
     op_policy: str = "all_matmuls",
+    loss_chunk_tokens: int = 0,
     tp: int = 1,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
@@ -53,7 +55,8 @@ def activation_bytes(
 
     wrapped: indices of the checkpointed blocks (see parallelize.checkpointed_blocks); op_sac: they
     use selective 'op' checkpointing rather than full recomputation, keeping the outputs op_policy says
-    (all_matmuls or every_second_matmul); compiled_loss: the loss is one
+    (all_matmuls or every_second_matmul); loss_chunk_tokens: the output projection and loss run this many tokens
+    at a time (0: all at once); compiled_loss: the loss is one
     compiled kernel that keeps only the logits. tp, sequence_parallel, loss_parallel: tensor parallelism
     (each rank keeps its share of the heads and features; with sequence parallelism 1 / tp of the residual
     stream's tokens; with loss parallelism 1 / tp of the logits).
@@ -65,11 +68,14 @@ def activation_bytes(
     blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
     vocab = args.vocab_size // tp if loss_parallel else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
+    loss_tokens = tokens
+    if loss_chunk_tokens > 0:  # backward holds one chunk's logits, their fp32 softmax and its gradient
+        loss_tokens, loss = min(loss_chunk_tokens, tokens), vocab * (12 + act_bytes)
     recompute = per_block["none"] if wrapped else 0
     parts = {
         "blocks": tokens * blocks,
         "final norm": tokens * args.dim * (4 + 4 + act_bytes) // (tp if sp else 1),
-        "loss or recompute": tokens * max(loss, recompute),
+        "loss or recompute": max(loss_tokens * loss, tokens * recompute),
     }
     parts["total"] = sum(parts.values())
     return parts

@@ -22,6 +22,16 @@ class BuiltModel:
     num_sharded: int  # fully_shard units besides the root
 
 
+def compiled_loss(cfg: JobConfig) -> bool:
+    """Whether the training loss is torch.compile'd ([compile] with inductor): one fused kernel, not chunked."""
+    return cfg.compile.enable and cfg.compile.backend == "inductor"
+
+
+def chunked_loss_tokens(cfg: JobConfig, tp: int) -> int:
+    """Tokens per chunk of the output projection and loss for this run; 0 when the loss is not chunked."""
+    return 0 if tp > 1 or compiled_loss(cfg) else cfg.training.loss_chunk_tokens
+
+
 def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
 
@@ -41,6 +51,8 @@ def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> Built
             sequence_parallel=p.enable_sequence_parallel and not inference,
             loss_parallel=p.enable_loss_parallel and not inference,
         )
+    if not inference:
+        model.loss_chunk_tokens = chunked_loss_tokens(cfg, 1 if tp_mesh is None else tp_mesh.size())
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
     compiled = 0 if inference else apply_compile(model, cfg.compile)
     num_sharded = 0

@@ -151,8 +151,8 @@ _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
 def _every_second_matmul_context():
     """TorchTitan's selective policy for one checkpointed call: keep attention and the 1st, 3rd, ... matmul of
-    the block (q, v, w1, w2 in the decoder), recompute the others and every cheap op. The recompute counts its
-    matmuls the same way, so it keeps and recomputes the same ones."""
+    the block (in the decoder: q, v, the FFN gate and down projections), recompute the others and every cheap
+    op. The recompute counts its matmuls the same way, so it keeps and recomputes the same ones."""
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx, func, *args, **kwargs):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from titanlite import memory_estimate as me
 from titanlite.compat import fake_store
 from titanlite.dtypes import dtype_bytes
-from titanlite.model_builder import build_model
+from titanlite.model_builder import build_model, chunked_loss_tokens
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelize import ac_label, compile_problem, describe, describe_ac_compile
 
@@ -76,6 +76,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         ac.mode == "selective" and ac.selective_ac_option == "op",
         compiled_loss=cfg.compile.enable and cfg.compile.backend == "inductor",
         op_policy=ac.selective_op_policy,
+        loss_chunk_tokens=chunked_loss_tokens(cfg, plan.dims.tp),
         tp=plan.dims.tp,
         sequence_parallel=cfg.parallelism.enable_sequence_parallel,
         loss_parallel=plan.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,

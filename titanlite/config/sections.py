@@ -113,6 +113,14 @@ class Training:
         "-1 or a number > 0",
     )
     seq_len: int = _f(256, "tokens per sequence", _positive, _POSITIVE)
+    loss_chunk_tokens: int = _f(
+        1024,
+        "the output projection and the loss are computed this many tokens at a time (recomputed in backward), so "
+        "the vocabulary-sized logits of a whole microbatch never exist; 0 = all at once. Not used with tensor "
+        "parallelism (loss parallel splits the logits instead) nor with a compiled loss",
+        _non_negative,
+        "0 or a number > 0",
+    )
     steps: int = _f(200, "optimizer steps to train for", _positive, _POSITIVE)
     max_norm: float = _f(
         1.0, "clip the global gradient norm to this; 0 disables clipping", _non_negative, "a number >= 0"

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
+from titanlite.models.chunked_loss import chunked_linear_cross_entropy
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 
@@ -81,6 +83,19 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class OutputProjection(nn.Linear):
+    """The output projection; given labels, it returns the summed cross-entropy instead of the logits, computed
+    `chunk_tokens` tokens at a time (models/chunked_loss.py) so that no full logits tensor is ever made. Called as
+    a module either way, so FSDP gathers and frees its weight around it as around any unit."""
+
+    chunk_tokens = 0  # 0: never chunked (the model returns logits and the caller takes the loss)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)
+        return chunked_linear_cross_entropy(x, self.weight, labels, self.chunk_tokens, IGNORE_INDEX)
+
+
 def is_transformer_block(name: str, module: nn.Module) -> bool:
     """Shard-unit predicate: every transformer block."""
     return isinstance(module, TransformerBlock)
@@ -93,6 +108,8 @@ class Transformer(nn.Module):
     (a position of 0 starts one) and rotates by the positions; without positions it is causal.
     forward(tokens, cache=KVCache) continues the sequences held in the cache (see kv_cache.py): the
     tokens take positions cache.offset onwards, causally, and their keys and values are added to it.
+    forward(tokens, labels=labels) returns the summed cross-entropy instead of the logits, computed in chunks of
+    loss_chunk_tokens tokens (set by the model builder; 0 when the caller computes the loss from logits).
     """
 
     # Submodules that get their own fully_shard, as predicates over (qualified name, module).
@@ -107,7 +124,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.attention_kernel = "auto"  # block-causal kernel: auto (flex on CUDA, else SDPA), sdpa or flex
@@ -118,7 +135,11 @@ class Transformer(nn.Module):
         return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rope, mask = self.rope, None
         if cache is not None:
@@ -134,7 +155,18 @@ class Transformer(nn.Module):
             h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layers[i])
         if cache is not None:
             cache.advance(tokens.shape[1])
+        if labels is not None:  # the summed loss, in chunks (see loss_chunk_tokens)
+            return self.output(self.norm(h), labels)
         return self.output(self.norm(h))
+
+    @property
+    def loss_chunk_tokens(self) -> int:
+        """Tokens per chunk of the output projection and loss when forward gets labels; 0: forward takes none."""
+        return self.output.chunk_tokens
+
+    @loss_chunk_tokens.setter
+    def loss_chunk_tokens(self, value: int) -> None:
+        self.output.chunk_tokens = value
 
     def shard_groups(self) -> list[list[nn.Module]]:
         """Modules to shard together, one list per fully_shard call (the root excluded)."""
