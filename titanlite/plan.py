@@ -82,7 +82,9 @@ def check_machine_holds(cfg: JobConfig, args: ModelArgs, device_type: str) -> No
     t = cfg.training
     tokens = t.local_batch_size * t.seq_len
     rope = args.max_seq_len * (args.head_dim // 2) * 16  # float64 angles, then complex64 rotations
-    need = rope + tokens * args.n_layers * args.dim * dtype_bytes(t.mixed_precision_param)
+    p = cfg.parallelism
+    split = p.tensor_parallel_degree if p.tensor_parallel_degree > 1 and p.enable_sequence_parallel else 1
+    need = rope + tokens * args.n_layers * args.dim * dtype_bytes(t.mixed_precision_param) // split
     have = machine_memory(device_type)
     if need > have:
         raise ConfigError(
@@ -104,9 +106,10 @@ class RunPlan:
     model_args: ModelArgs
 
 
-def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, inference: bool = False) -> None:
     """ConfigError when parallelism.tensor_parallel_degree cannot split this model or sequence; a warning when it
-    is larger than a node's GPUs (TP across nodes runs every block's collectives over the network)."""
+    is larger than a node's GPUs (TP across nodes runs every block's collectives over the network). inference:
+    generation's plan, without sequence parallelism."""
     tp = dims.tp
     if tp == 1:
         return
@@ -131,7 +134,7 @@ def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -
             f"divides {args.vocab_size}"
         )
     p = cfg.parallelism
-    if p.enable_sequence_parallel and cfg.training.seq_len % tp:
+    if p.enable_sequence_parallel and not inference and cfg.training.seq_len % tp:
         raise ConfigError(
             f"{key} with parallelism.enable_sequence_parallel = true splits every sequence over the tp ranks, but "
             f"training.seq_len = {cfg.training.seq_len} is not a multiple of {tp}; valid: a multiple of {tp}, or "

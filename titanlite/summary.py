@@ -55,9 +55,10 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
     return [
         f"Job: {job}" + (f": {cfg.job.description}" if cfg.job.description else ""),
         f"World size {dims.world_size}: data-parallel degree {dims.dp_degree} "
-        f"(replicate {dims.dp_replicate} x shard {dims.dp_shard})",
+        f"(replicate {dims.dp_replicate} x shard {dims.dp_shard})"
+        + (f" x tensor parallel {dims.tp}" if dims.tp > 1 else ""),
         f"Model {cfg.model.name} {cfg.model.flavor}: {counts['total']:,} parameters "
-        f"({counts['non_embedding']:,} non-embedding), {local:,} on this rank (its 1/{dims.dp_shard} shards)",
+        f"({counts['non_embedding']:,} non-embedding), {local:,} on this rank (its shards)",
         f"Per-rank memory estimate: parameters {human_bytes(mem.params)} + gradients "
         f"{human_bytes(mem.grads)} + optimizer {human_bytes(mem.optimizer)} ({cfg.optimizer.name}, "
         f"{states} states) = {human_bytes(mem.params + mem.grads + mem.optimizer)}, plus activations and "

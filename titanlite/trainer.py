@@ -205,7 +205,8 @@ class Trainer:
                 self.tokens_seen += data.global_tokens  # padding is not a token trained on
                 for i, n in enumerate(data.sequences_by_source):
                     self.tokens_by_source[i] += n * cfg.training.seq_len
-                self.metrics.step_done(self.step, data.local_tokens)
+                # tokens/s and MFU per rank: the tp ranks of a dp rank share its tokens (each does 1/tp of the FLOPs)
+                self.metrics.step_done(self.step, data.local_tokens / self.dims.tp)
                 self._track_non_finite(out)
                 # Only logged steps read device values (host syncs) and all-reduce the loss.
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:

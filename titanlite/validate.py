@@ -37,6 +37,7 @@ class Validator:
         self.cfg = cfg.validation
         p = cfg.parallelism
         self.loss_parallel = p.tensor_parallel_degree > 1 and p.enable_loss_parallel
+        self.tp = p.tensor_parallel_degree
         self.loader = loader  # titanlite.data.build.build_loader(cfg, tokenizer, "validation", ...)
         self._start = self.loader.state_dict()
 
@@ -83,6 +84,7 @@ class Validator:
             )
         if self.loader.dp_degree > 1:
             dist.all_reduce(totals)
+            totals /= self.tp  # the tp ranks of a dp rank hold the same sums
         loss_sum, tokens = totals.tolist()
         loss = loss_sum / max(tokens, 1)
         return ValidationResult(

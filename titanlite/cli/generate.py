@@ -23,9 +23,10 @@ from titanlite.distributed import exit_process, init_distributed, pick_device, s
 from titanlite.errors import ConfigError
 from titanlite.generation import generate_timed, inference_model, load_weights, resolve_checkpoint
 from titanlite.metrics import setup_logging
-from titanlite.models.hf_config import is_hf_folder
-from titanlite.models.registry import family_of_folder
+from titanlite.models.hf_config import hf_folder, is_hf_folder
+from titanlite.models.registry import family_of_folder, model_args
 from titanlite.parallel_dims import ParallelDims
+from titanlite.plan import check_tensor_parallel
 
 logger = logging.getLogger("titanlite")
 
@@ -98,9 +99,15 @@ def run(argv: list[str]) -> str:
     if dims is None:  # one process: a plain, unsharded model and no process group
         device, mesh = pick_device(0), None
     else:
+        args_ = model_args(
+            cfg.model, tokenizer.vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path)
+        )
+        check_tensor_parallel(cfg, dims, args_, inference=True)
         env = init_distributed()
         device, mesh = env.device, dims.build_mesh(env.device.type)
         logger.info(dims.describe() + ", weights gathered per block on demand")
+        if tp_line := dims.describe_tp(False, False):
+            logger.info(tp_line)
     model = inference_model(cfg, tokenizer.vocab_size, device, mesh)
     if checkpoint is None:
         model.init_weights(cfg.training.seed)
