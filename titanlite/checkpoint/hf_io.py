@@ -145,11 +145,20 @@ def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> None:
 
 
 def _whole_rows(t: DTensor) -> list:
-    """Placements of t that give every rank whole rows: split over columns, or replicated when t is 1-D or when
-    FSDP splits a tensor-parallel shard again (a strided shard, which DTensor does not move to columns)."""
+    """Placements of t that give every rank whole rows: split over columns, or replicated when t is 1-D. When
+    FSDP splits a tensor-parallel shard again (a strided shard, which DTensor does not move to columns), the
+    data-parallel dimensions replicate and "tp" keeps its split by rows: whole heads on each tp rank."""
     strided = any(_splits(p) and not p.is_shard() for p in t.placements)
-    whole = Shard(1) if t.dim() > 1 and not strided else Replicate()
-    return [whole if _splits(p) else p for p in t.placements]
+    names = t.device_mesh.mesh_dim_names or ()
+    out = []
+    for name, p in zip(names, t.placements):
+        if not _splits(p):
+            out.append(p)
+        elif strided:
+            out.append(p if name == "tp" and p.is_shard(0) else Replicate())
+        else:
+            out.append(Shard(1) if t.dim() > 1 else Replicate())
+    return out
 
 
 def _splits(placement) -> bool:
@@ -165,13 +174,14 @@ def _column_sharded(t: torch.Tensor) -> torch.Tensor:
 
 
 def _permute_rows(t: torch.Tensor, heads: int, fn, placements=None) -> torch.Tensor:
-    """fn (a row permutation) applied to t; a DTensor is moved to whole rows first and, with
-    `placements`, resharded to them afterwards."""
+    """fn (a row permutation of `heads` heads) applied to t; a DTensor is moved to whole rows (of whole heads)
+    first and, with `placements`, resharded to them afterwards."""
     if not isinstance(t, DTensor):
         return fn(t, heads)
     cols = t.redistribute(placements=_whole_rows(t))
+    row_splits = math.prod(cols.device_mesh.size(i) for i, p in enumerate(cols.placements) if p.is_shard(0))
     out = DTensor.from_local(
-        fn(cols.to_local(), heads), cols.device_mesh, cols.placements, shape=t.shape, stride=t.stride()
+        fn(cols.to_local(), heads // row_splits), cols.device_mesh, cols.placements, shape=t.shape, stride=t.stride()
     )
     if placements is None:
         return out
