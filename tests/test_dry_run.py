@@ -222,3 +222,16 @@ def test_torchtitan_8b_shape_fits_80gb(capsys):
     code, out, _ = _main(capsys, 8, *shape, "--activation_checkpoint.selective_op_policy", "every_second_matmul")
     assert code == 0 and "selective op, half the matmuls on 32 of 32 blocks" in out
     assert _table(out)["activations"] < 0.7 * chunked["activations"]
+
+
+def test_dry_run_names_the_largest_local_batch_that_fits(capsys):
+    code, out, _ = _main(capsys, 16, "--job.config_file", "llama8b_hsdp")
+    assert code == 0 and "largest local batch that fits: 2 (training.local_batch_size; now 1)" in out
+    # and the line agrees with the verdict at that batch and the next
+    over = ("--training.local_batch_size", "3", "--training.global_batch_size", "48")
+    code, out, _ = _main(capsys, 16, "--job.config_file", "llama8b_hsdp", *over)
+    assert (
+        code == 1 and "fits: no" in out and "largest local batch that fits: 2 (training.local_batch_size; now 3)" in out
+    )
+    code, out, _ = _main(capsys, 8, "--job.config_file", "llama70b_fsdp")
+    assert code == 1 and "largest local batch that fits: none, not even 1 sequence" in out

@@ -52,6 +52,36 @@ class MemoryEstimate:
         return self.params + self.optimizer + self.fsdp_buffers + grads_and_act
 
 
+def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> dict[str, int]:
+    """The activation estimate (by part) of one microbatch of local_batch_size sequences for this job."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    return me.activation_bytes(
+        plan.model_args,
+        local_batch_size * t.seq_len,
+        dtype_bytes(t.mixed_precision_param),
+        ac_blocks,
+        ac.mode == "selective" and ac.selective_ac_option == "op",
+        compiled_loss=cfg.compile.enable and cfg.compile.backend == "inductor",
+        op_policy=ac.selective_op_policy,
+        loss_chunk_tokens=chunked_loss_tokens(cfg, plan.dims.tp),
+        tp=plan.dims.tp,
+        sequence_parallel=cfg.parallelism.enable_sequence_parallel,
+        loss_parallel=plan.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,
+    )
+
+
+def largest_local_batch(cfg, plan, est: MemoryEstimate, usable_bytes: float, limit: int = 4096) -> int:
+    """The largest training.local_batch_size whose step fits usable_bytes, all else as configured (0: none)."""
+    best = 0
+    for batch in range(1, limit + 1):
+        act = activations_for(cfg, plan, est.ac_blocks, batch)["total"]
+        trial = MemoryEstimate(**{**est.__dict__, "activations": {"total": act}})
+        if trial.gpu_total > usable_bytes:
+            break
+        best = batch
+    return best
+
+
 def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     """Size one rank of the job: the sharded meta model over a fake process group, and the activation formulas."""
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
@@ -66,21 +96,9 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         setup_lines = describe(built.num_sharded, mesh, plan.dims, cfg.parallelism)
     finally:
         dist.destroy_process_group()
-    t, ac = cfg.training, cfg.activation_checkpoint
+    t = cfg.training
     pbytes = dtype_bytes(t.mixed_precision_param)
-    act = me.activation_bytes(
-        plan.model_args,
-        t.local_batch_size * t.seq_len,
-        pbytes,
-        built.ac_blocks,
-        ac.mode == "selective" and ac.selective_ac_option == "op",
-        compiled_loss=cfg.compile.enable and cfg.compile.backend == "inductor",
-        op_policy=ac.selective_op_policy,
-        loss_chunk_tokens=chunked_loss_tokens(cfg, plan.dims.tp),
-        tp=plan.dims.tp,
-        sequence_parallel=cfg.parallelism.enable_sequence_parallel,
-        loss_parallel=plan.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,
-    )
+    act = activations_for(cfg, plan, built.ac_blocks, t.local_batch_size)
     buffers = me.fsdp_buffer_bytes(
         units, pbytes, dtype_bytes(t.mixed_precision_reduce), cfg.parallelism.fsdp_reshard_after_forward
     )
@@ -151,6 +169,12 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             f"context, NCCL and fragmentation)",
             f"fits: {'yes' if fits else 'no'} ({gpu_total / GIB:.2f} of {usable:.2f} GiB usable)",
         ]
+    )
+    best = largest_local_batch(cfg, plan, est, usable * GIB)
+    lines.append(
+        f"largest local batch that fits: {best} (training.local_batch_size; now {t.local_batch_size})"
+        if best
+        else "largest local batch that fits: none, not even 1 sequence: shard over more GPUs, or more AC"
     )
     problem = compile_problem(cfg.compile, "cuda")
     if problem:
