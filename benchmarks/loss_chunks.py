@@ -27,7 +27,9 @@ def _run(opts, device_type: str) -> dict:
     with tempfile.TemporaryDirectory() as dump:
         for chunk in opts.chunks:
             extra = ("--training.loss_chunk_tokens", str(chunk), "--model.vocab_size", str(opts.vocab))
-            trainers[chunk] = common.build_trainer(opts, dump, local_batch_size=opts.batch, accumulation=1, replicate=1, extra=extra)  # fmt: skip
+            trainers[chunk] = common.build_trainer(
+                opts, dump, local_batch_size=opts.batch, accumulation=1, replicate=1, extra=extra
+            )
     t0 = next(iter(trainers.values()))
     batch = common.random_microbatches([opts.batch], opts.seq_len, opts.vocab, seed=0)
     out = {"times": {c: [] for c in opts.chunks}, "peak": {}, "estimate": {}}

@@ -185,12 +185,18 @@ class HostSyncCounter:
         for name in self.READS:
             wrap(torch.Tensor, name)
         wrap(torch, "tensor", lambda *a, **k: k.get("device") is not None)
-        wrap(torch.Tensor, "to", lambda *a, **k: not k.get("non_blocking", False))
+        wrap(torch.Tensor, "to", lambda *a, **k: _moves(a[1:], k) and not k.get("non_blocking", False))
         return self
 
     def __exit__(self, *exc):
         for owner, name, orig in reversed(self._saved):
             setattr(owner, name, orig)
+
+
+def _moves(args, kwargs) -> bool:
+    """Whether a Tensor.to(...) call names a device (or a tensor, whose device it takes): a dtype cast alone never
+    waits for the device."""
+    return "device" in kwargs or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args)
 
 
 def _capture_logs():

@@ -35,10 +35,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             h, y = hidden[start : start + ctx.chunk], labels[start : start + ctx.chunk]
             probs = torch.softmax(F.linear(h, weight).float(), dim=-1)  # d loss / d logits = softmax - one-hot
-            counted = y != ctx.ignore_index
-            probs[counted, y[counted]] -= 1.0
-            probs[~counted] = 0.0
-            grad_logits = (probs * grad_total).to(hidden.dtype)
+            counted = (y != ctx.ignore_index).unsqueeze(1)
+            # minus one at each counted label, then masked rows to zero: no boolean indexing (a host sync on GPUs)
+            probs.scatter_add_(1, torch.where(counted, y.unsqueeze(1), 0), -counted.to(probs.dtype))
+            grad_logits = (probs * counted * grad_total).type_as(hidden)
             grad_hidden[start : start + ctx.chunk] = grad_logits @ weight
             grad_weight.addmm_(grad_logits.t(), h)
         return grad_hidden, grad_weight, None, None, None
