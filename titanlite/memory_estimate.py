@@ -9,7 +9,7 @@ tests/test_activation_checkpoint.py; around the blocks:
     final norm               3*dim * a
     loss                     vocab * 12: the logits, their fp32 copy and log_softmax's fp32 output,
                              alive together at the loss (measured on CPU by MemTracker); in chunks
-                             (training.loss_chunk_tokens) vocab * (12 + a) for one chunk's tokens only;
+                             (training.loss_chunk_tokens) vocab * (8 + a) for one chunk's tokens only;
                              compiled loss ([compile] with inductor): vocab * a, the logits only (one
                              fused kernel reads them; no fp32 copy is kept)
 
@@ -69,8 +69,8 @@ def activation_bytes(
     vocab = args.vocab_size // tp if loss_parallel else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
     loss_tokens = tokens
-    if loss_chunk_tokens > 0:  # backward holds one chunk's logits, their fp32 softmax and its gradient
-        loss_tokens, loss = min(loss_chunk_tokens, tokens), vocab * (12 + act_bytes)
+    if loss_chunk_tokens > 0:  # one chunk's logits, their fp32 copy and fp32 softmax (or log_softmax)
+        loss_tokens, loss = min(loss_chunk_tokens, tokens), vocab * (8 + act_bytes)
     recompute = per_block["none"] if wrapped else 0
     parts = {
         "blocks": tokens * blocks,

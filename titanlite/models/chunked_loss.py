@@ -1,11 +1,13 @@
 """The output projection and the cross-entropy in chunks of tokens: the vocabulary-sized logits of the whole
-microbatch never exist, in either pass.
+microbatch never exist.
 
-Forward projects `chunk` tokens at a time, takes the fp32 cross-entropy of each chunk and keeps only the
-sum; backward recomputes each chunk's logits and turns them into the gradients of the hidden states and of
-the weight right away. Peak memory is one chunk's logits (in the compute dtype, an fp32 copy and its
-softmax) instead of the whole microbatch's; the result is the plain loss's (the same per-token values in
-the same dtypes, summed in another order), and so are the gradients.
+Forward projects `chunk` tokens at a time, takes the fp32 cross-entropy of each chunk, and turns the chunk's
+logits into its gradients right away (softmax minus one-hot: the gradient of the hidden states, and the
+weight's gradient accumulated over chunks); backward only scales them by the incoming gradient. So no matmul
+runs twice (the same FLOPs as the plain loss), and peak memory holds one chunk's logits, their fp32 copy and
+softmax, plus the weight's gradient (which the plain loss makes too, at the start of backward) instead of the
+whole microbatch's logits. The loss is the plain loss's value (the same per-token values in the same dtypes,
+summed in another order), and so are the gradients. Without gradients (validation) only the loss is computed.
 """
 
 from __future__ import annotations
@@ -19,29 +21,32 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int):
+        need_grads = any(ctx.needs_input_grad[:2])
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grads else None
+        grad_weight = torch.zeros_like(weight) if need_grads else None  # in the weight's dtype, as the plain path's
         for start in range(0, hidden.shape[0], chunk):
-            logits = F.linear(hidden[start : start + chunk], weight).float()
-            total += F.cross_entropy(logits, labels[start : start + chunk], reduction="sum", ignore_index=ignore_index)
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+            h, y = hidden[start : start + chunk], labels[start : start + chunk]
+            logits = F.linear(h, weight).float()
+            counted = (y != ignore_index).unsqueeze(1)
+            target = torch.where(counted, y.unsqueeze(1), 0)  # no boolean indexing: a host sync per chunk on GPUs
+            total -= (torch.log_softmax(logits, dim=-1).gather(1, target) * counted).sum()
+            if need_grads:  # d loss / d logits = softmax - one-hot, zero where the label does not count
+                probs = torch.softmax(logits, dim=-1)  # not exp(log_softmax): exp of its tails is slow (denormals)
+                del logits
+                probs.scatter_add_(1, target, -counted.to(probs.dtype)).mul_(counted)
+                grad_logits = probs.type_as(hidden)
+                del probs
+                grad_hidden[start : start + chunk] = grad_logits @ weight
+                grad_weight.addmm_(grad_logits.t(), h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, labels = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight)  # in the weight's dtype, as the plain path's gradient
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            h, y = hidden[start : start + ctx.chunk], labels[start : start + ctx.chunk]
-            probs = torch.softmax(F.linear(h, weight).float(), dim=-1)  # d loss / d logits = softmax - one-hot
-            counted = (y != ctx.ignore_index).unsqueeze(1)
-            # minus one at each counted label, then masked rows to zero: no boolean indexing (a host sync on GPUs)
-            probs.scatter_add_(1, torch.where(counted, y.unsqueeze(1), 0), -counted.to(probs.dtype))
-            grad_logits = (probs * counted * grad_total).type_as(hidden)
-            grad_hidden[start : start + ctx.chunk] = grad_logits @ weight
-            grad_weight.addmm_(grad_logits.t(), h)
-        return grad_hidden, grad_weight, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # the fp32 scalar multiplies in fp32 and rounds once (a low-precision copy of it would bias every element)
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None
 
 
 def chunked_linear_cross_entropy(
