@@ -77,7 +77,14 @@ def _variants(extra=()):
     no_sp_lp = ("--parallelism.enable_sequence_parallel", "false", "--parallelism.enable_loss_parallel", "false")
     return {
         1: [("single", ["--training.local_batch_size", "8", *extra])],
-        2: [("tp2", ["--training.local_batch_size", "8", *TP2, *extra])],
+        2: [
+            ("tp2", ["--training.local_batch_size", "8", *TP2, *extra]),  # the loss in chunks over the vocab split
+            ("tp2_whole_loss", ["--training.local_batch_size", "8", *TP2, "--training.loss_chunk_tokens", "0", *extra]),
+            (
+                "tp2_chunks_of_37",
+                ["--training.local_batch_size", "8", *TP2, "--training.loss_chunk_tokens", "37", *extra],
+            ),
+        ],
         4: [
             ("fsdp2_tp2", ["--training.local_batch_size", "4", *TP2, *extra]),
             ("replicate2_tp2", ["--training.local_batch_size", "4", *TP2, *replicate, *extra]),

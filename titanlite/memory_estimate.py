@@ -66,7 +66,7 @@ def activation_bytes(
     op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
     kept = op if op_sac else per_block["full"]
     blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
-    vocab = args.vocab_size // tp if loss_parallel else args.vocab_size
+    vocab = args.vocab_size // tp if loss_parallel or loss_chunk_tokens > 0 else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
     loss_tokens = tokens
     if loss_chunk_tokens > 0:  # one chunk's logits, their fp32 copy and fp32 softmax (or log_softmax)

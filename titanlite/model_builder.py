@@ -27,9 +27,10 @@ def compiled_loss(cfg: JobConfig) -> bool:
     return cfg.compile.enable and cfg.compile.backend == "inductor"
 
 
-def chunked_loss_tokens(cfg: JobConfig, tp: int) -> int:
-    """Tokens per chunk of the output projection and loss for this run; 0 when the loss is not chunked."""
-    return 0 if tp > 1 or compiled_loss(cfg) else cfg.training.loss_chunk_tokens
+def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
+    """Tokens per chunk of the output projection and loss for this run (with tensor parallelism: over each
+    rank's share of the vocabulary); 0 when the loss is not chunked (a compiled loss)."""
+    return 0 if compiled_loss(cfg) else cfg.training.loss_chunk_tokens
 
 
 def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> BuiltModel:

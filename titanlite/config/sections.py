@@ -115,9 +115,9 @@ class Training:
     seq_len: int = _f(256, "tokens per sequence", _positive, _POSITIVE)
     loss_chunk_tokens: int = _f(
         1024,
-        "the output projection and the loss are computed this many tokens at a time (recomputed in backward), so "
-        "the vocabulary-sized logits of a whole microbatch never exist; 0 = all at once. Not used with tensor "
-        "parallelism (loss parallel splits the logits instead) nor with a compiled loss",
+        "the output projection and the loss are computed this many tokens at a time (their gradients too), so "
+        "the vocabulary-sized logits of a whole microbatch never exist (with tensor parallelism: each rank's share "
+        "of the vocabulary); 0 = all at once. Not used with a compiled loss",
         _non_negative,
         "0 or a number > 0",
     )

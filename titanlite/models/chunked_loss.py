@@ -13,6 +13,7 @@ summed in another order), and so are the gradients. Without gradients (validatio
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -54,3 +55,51 @@ def chunked_linear_cross_entropy(
 ) -> torch.Tensor:
     """The summed fp32 cross-entropy of hidden (..., dim) projected by weight (vocab, dim) against labels (...)."""
     return ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk, ignore_index)
+
+
+class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
+    """ChunkedLinearCrossEntropy with the weight split over the vocabulary across the ranks of `group` (tensor
+    parallelism): each rank projects onto its rows, and the softmax's max and sum, the target logits and the
+    hidden states' gradient are reduced over the group, per chunk. Every rank gets the same loss."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, group, vocab_start: int):
+        need_grads = any(ctx.needs_input_grad[:2])
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grads else None
+        grad_weight = torch.zeros_like(weight) if need_grads else None
+        rows = weight.shape[0]
+        for start in range(0, hidden.shape[0], chunk):
+            h, y = hidden[start : start + chunk], labels[start : start + chunk]
+            logits = F.linear(h, weight).float()
+            counted = (y != ignore_index).unsqueeze(1)
+            local = y.unsqueeze(1) - vocab_start
+            mine = counted & (local >= 0) & (local < rows)
+            target = torch.where(mine, local, 0)
+            probs = torch.softmax(logits, dim=-1)  # over this rank's rows; its max entry is 1 / its sum of exp
+            local_max = logits.amax(dim=-1, keepdim=True)
+            target_logit = logits.gather(1, target) * mine
+            del logits
+            global_max = local_max.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+            local_sum = probs.amax(dim=-1, keepdim=True).reciprocal() * torch.exp(local_max - global_max)
+            global_sum = local_sum.clone()
+            dist.all_reduce(global_sum, group=group)
+            dist.all_reduce(target_logit, group=group)
+            total += ((global_max + global_sum.log() - target_logit) * counted).sum()
+            if need_grads:  # softmax over the whole vocabulary, minus one-hot on the rank that holds the label
+                probs.mul_(local_sum / global_sum)
+                probs.scatter_add_(1, target, -mine.to(probs.dtype)).mul_(counted)
+                grad_logits = probs.type_as(hidden)
+                del probs
+                partial = grad_logits @ weight  # this rank's rows' share of the hidden states' gradient
+                dist.all_reduce(partial, group=group)
+                grad_hidden[start : start + chunk] = partial
+                grad_weight.addmm_(grad_logits.t(), h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None, None

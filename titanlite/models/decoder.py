@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
-from titanlite.models.chunked_loss import chunked_linear_cross_entropy
+from titanlite.models.chunked_loss import VocabParallelChunkedCrossEntropy, chunked_linear_cross_entropy
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 
@@ -93,6 +93,18 @@ class OutputProjection(nn.Linear):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(x)
+        if isinstance(self.weight, DTensor):  # split over the vocabulary by the tensor-parallel plan
+            mesh, rows = self.weight.device_mesh, self.weight.to_local().shape[0]
+            hidden = x.to_local() if isinstance(x, DTensor) else x  # the whole sequence, on every tp rank
+            return VocabParallelChunkedCrossEntropy.apply(
+                hidden.flatten(0, -2),
+                self.weight.to_local(),
+                labels.flatten(),
+                self.chunk_tokens,
+                IGNORE_INDEX,
+                mesh.get_group(),
+                mesh.get_local_rank() * rows,
+            )
         return chunked_linear_cross_entropy(x, self.weight, labels, self.chunk_tokens, IGNORE_INDEX)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -50,6 +50,35 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
+class VocabParallelOutput(ParallelStyle):
+    """The output projection split over the vocabulary (column-parallel): its input gathered to the whole
+    sequence (from `input_layout`), its logits split over the vocabulary (loss parallel: a DTensor) or gathered
+    (plain tensors); a summed loss it returns instead (given labels: models/chunked_loss.py) passes through."""
+
+    def __init__(self, input_layout, loss_parallel: bool):
+        super().__init__()
+        self.input_layout, self.loss_parallel = input_layout, loss_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                dist_param = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
+                mod.register_parameter(key, dist_param)
+
+        def gather_input(mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [self.input_layout], run_check=False)
+            return (x.redistribute(placements=[Replicate()]), *inputs[1:])
+
+        def split_output(mod, out, mesh):
+            if not isinstance(out, DTensor):  # the summed loss, the same on every rank
+                return out
+            return out if self.loss_parallel else out.redistribute(placements=[Replicate()]).to_local()
+
+        return distribute_module(module, device_mesh, partition, gather_input, split_output)
+
+
 def parallelize_decoder(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool):
     """Apply the plan to a decoder.Transformer in place (on the meta device, before activation checkpointing,
     compile and FSDP)."""
@@ -62,11 +91,7 @@ def parallelize_decoder(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_paral
         {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
             "norm": norm(),
-            "output": ColwiseParallel(
-                input_layouts=seq,
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
+            "output": VocabParallelOutput(seq, loss_parallel),
         },
     )
     for block in model.layers:
