@@ -8,7 +8,8 @@ tests/test_activation_checkpoint.py; around the blocks:
     recompute (any AC)       one checkpointed block rebuilds its F in backward
     final norm               3*dim * a
     loss                     vocab * 12: the logits, their fp32 copy and log_softmax's fp32 output,
-                             alive together at the loss (measured on CPU by MemTracker); in chunks
+                             alive together at the loss (measured on CPU by MemTracker; torch's
+                             loss_parallel under tp: vocab / tp * (12 + a), measured in fp32); in chunks
                              (training.loss_chunk_tokens) vocab * (8 + a) for one chunk's tokens only;
                              compiled loss ([compile] with inductor): vocab * a, the logits only (one
                              fused kernel reads them; no fp32 copy is kept)
@@ -68,6 +69,8 @@ def activation_bytes(
     blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
     vocab = args.vocab_size // tp if loss_parallel or loss_chunk_tokens > 0 else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
+    if tp > 1 and loss_parallel and not compiled_loss:  # DTensor's loss_parallel keeps one more copy
+        loss = vocab * (12 + act_bytes)
     loss_tokens = tokens
     if loss_chunk_tokens > 0:  # one chunk's logits, their fp32 copy and fp32 softmax (or log_softmax)
         loss_tokens, loss = min(loss_chunk_tokens, tokens), vocab * (8 + act_bytes)
