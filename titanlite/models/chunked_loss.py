@@ -8,6 +8,10 @@ runs twice (the same FLOPs as the plain loss), and peak memory holds one chunk's
 softmax, plus the weight's gradient (which the plain loss makes too, at the start of backward) instead of the
 whole microbatch's logits. The loss is the plain loss's value (the same per-token values in the same dtypes,
 summed in another order), and so are the gradients. Without gradients (validation) only the loss is computed.
+
+With tensor parallelism the weight is split over the vocabulary across a process group: each rank projects
+onto its rows, and the softmax's max and sum, the target logits and the hidden states' gradient are reduced
+over the group, per chunk; every rank gets the same loss.
 """
 
 from __future__ import annotations
@@ -18,82 +22,46 @@ import torch.nn.functional as F
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum over counted labels of cross_entropy(hidden @ weight.T, labels), `chunk` rows at a time."""
+    """sum over counted labels of cross_entropy(hidden @ weight.T, labels), `chunk` rows at a time; with `group`,
+    weight holds the vocabulary rows vocab_start.. of a weight split over the group's ranks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int):
+    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, group=None, vocab_start: int = 0):
         need_grads = any(ctx.needs_input_grad[:2])
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grads else None
         grad_weight = torch.zeros_like(weight) if need_grads else None  # in the weight's dtype, as the plain path's
-        for start in range(0, hidden.shape[0], chunk):
-            h, y = hidden[start : start + chunk], labels[start : start + chunk]
-            logits = F.linear(h, weight).float()
-            counted = (y != ignore_index).unsqueeze(1)
-            target = torch.where(counted, y.unsqueeze(1), 0)  # no boolean indexing: a host sync per chunk on GPUs
-            total -= (torch.log_softmax(logits, dim=-1).gather(1, target) * counted).sum()
-            if need_grads:  # d loss / d logits = softmax - one-hot, zero where the label does not count
-                probs = torch.softmax(logits, dim=-1)  # not exp(log_softmax): exp of its tails is slow (denormals)
-                del logits
-                probs.scatter_add_(1, target, -counted.to(probs.dtype)).mul_(counted)
-                grad_logits = probs.type_as(hidden)
-                del probs
-                grad_hidden[start : start + chunk] = grad_logits @ weight
-                grad_weight.addmm_(grad_logits.t(), h)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # the fp32 scalar multiplies in fp32 and rounds once (a low-precision copy of it would bias every element)
-        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None
-
-
-def chunked_linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int
-) -> torch.Tensor:
-    """The summed fp32 cross-entropy of hidden (..., dim) projected by weight (vocab, dim) against labels (...)."""
-    return ChunkedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk, ignore_index)
-
-
-class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
-    """ChunkedLinearCrossEntropy with the weight split over the vocabulary across the ranks of `group` (tensor
-    parallelism): each rank projects onto its rows, and the softmax's max and sum, the target logits and the
-    hidden states' gradient are reduced over the group, per chunk. Every rank gets the same loss."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, group, vocab_start: int):
-        need_grads = any(ctx.needs_input_grad[:2])
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_grads else None
-        grad_weight = torch.zeros_like(weight) if need_grads else None
         rows = weight.shape[0]
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start : start + chunk], labels[start : start + chunk]
             logits = F.linear(h, weight).float()
             counted = (y != ignore_index).unsqueeze(1)
             local = y.unsqueeze(1) - vocab_start
-            mine = counted & (local >= 0) & (local < rows)
-            target = torch.where(mine, local, 0)
-            probs = torch.softmax(logits, dim=-1)  # over this rank's rows; its max entry is 1 / its sum of exp
-            local_max = logits.amax(dim=-1, keepdim=True)
+            mine = counted & (local >= 0) & (local < rows)  # the label is one of this rank's rows
+            target = torch.where(mine, local, 0)  # no boolean indexing: a host sync per chunk on GPUs
+            # softmax, not exp(log_softmax): exp of its tails is slow (denormals); its largest entry is 1 / sum
+            probs = torch.softmax(logits, dim=-1)
+            row_max = logits.amax(dim=-1, keepdim=True)
             target_logit = logits.gather(1, target) * mine
             del logits
-            global_max = local_max.clone()
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-            local_sum = probs.amax(dim=-1, keepdim=True).reciprocal() * torch.exp(local_max - global_max)
-            global_sum = local_sum.clone()
-            dist.all_reduce(global_sum, group=group)
-            dist.all_reduce(target_logit, group=group)
-            total += ((global_max + global_sum.log() - target_logit) * counted).sum()
-            if need_grads:  # softmax over the whole vocabulary, minus one-hot on the rank that holds the label
-                probs.mul_(local_sum / global_sum)
+            row_sum = probs.amax(dim=-1, keepdim=True).reciprocal()  # of exp(logits - row_max)
+            if group is not None:  # the whole vocabulary's max and sum of exp, and the label's logit
+                local_max = row_max
+                row_max = local_max.clone()
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+                local_sum = row_sum * torch.exp(local_max - row_max)
+                row_sum = local_sum.clone()
+                dist.all_reduce(row_sum, group=group)
+                dist.all_reduce(target_logit, group=group)
+                probs.mul_(local_sum / row_sum)
+            total += ((row_max + row_sum.log() - target_logit) * counted).sum()
+            if need_grads:  # d loss / d logits = softmax - one-hot, zero where the label does not count
                 probs.scatter_add_(1, target, -mine.to(probs.dtype)).mul_(counted)
                 grad_logits = probs.type_as(hidden)
                 del probs
-                partial = grad_logits @ weight  # this rank's rows' share of the hidden states' gradient
-                dist.all_reduce(partial, group=group)
+                partial = grad_logits @ weight  # with a group: this rank's rows' share of the hidden gradient
+                if group is not None:
+                    dist.all_reduce(partial, group=group)
                 grad_hidden[start : start + chunk] = partial
                 grad_weight.addmm_(grad_logits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -102,4 +70,21 @@ class VocabParallelChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
+        # the fp32 scalar multiplies in fp32 and rounds once (a low-precision copy of it would bias every element)
         return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    ignore_index: int,
+    group=None,
+    vocab_start: int = 0,
+) -> torch.Tensor:
+    """The summed fp32 cross-entropy of hidden (..., dim) projected by weight (vocab, dim) against labels (...);
+    with group, weight is this rank's rows (from vocab_start) of a weight split over the group."""
+    return ChunkedLinearCrossEntropy.apply(
+        hidden.flatten(0, -2), weight, labels.flatten(), chunk, ignore_index, group, vocab_start
+    )

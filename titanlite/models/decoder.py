@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
-from titanlite.models.chunked_loss import VocabParallelChunkedCrossEntropy, chunked_linear_cross_entropy
+from titanlite.models.chunked_loss import chunked_linear_cross_entropy
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 
@@ -94,16 +94,11 @@ class OutputProjection(nn.Linear):
         if labels is None:
             return super().forward(x)
         if isinstance(self.weight, DTensor):  # split over the vocabulary by the tensor-parallel plan
-            mesh, rows = self.weight.device_mesh, self.weight.to_local().shape[0]
+            mesh, weight = self.weight.device_mesh, self.weight.to_local()
             hidden = x.to_local() if isinstance(x, DTensor) else x  # the whole sequence, on every tp rank
-            return VocabParallelChunkedCrossEntropy.apply(
-                hidden.flatten(0, -2),
-                self.weight.to_local(),
-                labels.flatten(),
-                self.chunk_tokens,
-                IGNORE_INDEX,
-                mesh.get_group(),
-                mesh.get_local_rank() * rows,
+            start = mesh.get_local_rank() * weight.shape[0]
+            return chunked_linear_cross_entropy(
+                hidden, weight, labels, self.chunk_tokens, IGNORE_INDEX, mesh.get_group(), start
             )
         return chunked_linear_cross_entropy(x, self.weight, labels, self.chunk_tokens, IGNORE_INDEX)
 
