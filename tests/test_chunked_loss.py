@@ -59,6 +59,24 @@ def _model_loss_and_grads(chunk, attention="causal"):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def test_backward_scales_in_place_and_a_second_backward_is_refused():
+    """The saved gradients are scaled in place (no second copy of the output's gradient at the peak); autograd
+    then refuses a retain_graph second pass rather than scaling them twice."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(8, 4, generator=g, requires_grad=True)
+    weight = torch.randn(10, 4, generator=g, requires_grad=True)
+    labels = torch.randint(0, 10, (8,), generator=g)
+    loss = chunked_linear_cross_entropy(hidden, weight, labels, 3, IGNORE_INDEX)
+    (loss * 0.5).backward(retain_graph=True)
+    plain = F.cross_entropy(hidden.detach() @ weight.detach().T, labels, reduction="sum")
+    ref_h, ref_w = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    (F.cross_entropy(ref_h @ ref_w.T, labels, reduction="sum") * 0.5).backward()
+    torch.testing.assert_close(loss.detach(), plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weight.grad, ref_w.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("attention", ["causal", "block_causal"])
 def test_model_loss_in_chunks_equals_the_plain_loss(attention):
     ref_loss, ref_grads = _model_loss_and_grads(0, attention)

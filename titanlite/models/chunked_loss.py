@@ -70,8 +70,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # the fp32 scalar multiplies in fp32 and rounds once (a low-precision copy of it would bias every element)
-        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None, None
+        # In place: a second copy of the output's gradient would sit beside every block's activations at the
+        # step's peak. Autograd's version check refuses a second backward through this node (retain_graph).
+        # The fp32 scalar multiplies in fp32 and rounds once (a low-precision copy of it would bias every element).
+        return grad_hidden.mul_(grad_total), grad_weight.mul_(grad_total), None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
