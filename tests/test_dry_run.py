@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.cli import dry_run
-from titanlite.memory_estimate import fsdp_buffer_bytes
+from titanlite.memory_estimate import IN_BACKWARD, fsdp_buffer_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -94,15 +94,24 @@ def test_dry_run_catches_the_runs_config_errors(capsys):
 
 
 @pytest.mark.parametrize(
-    "policy, expected",
-    [
-        ("default", (10 + 8) * 2 + 10 * (2 + 4)),
-        ("never", (10 + 8 + 5) * 2 + 10 * (2 + 4)),
-        ("2", (10 + 8) * 2 + (10 + 8 + 5) * 2 // 2 + 10 * (2 + 4)),
+    "policy, sharded, grad_in_forward, expected",
+    [  # units 10, 5, 8 in forward order, the output in the last; compute 2 bytes, reduce 4
+        ("default", True, False, (8 * 2 * 2, 10 * (2 + 4))),  # the output unit and its all-gather output
+        ("default", True, True, (8 * 2 * 3, 10 * (2 + 4))),  # and the output's gradient made in forward
+        ("default", False, False, (8 * 2, 10 * (2 + 4))),  # one rank: no all-gather output is kept
+        ("never", True, False, (8 * 2 * 2 + (10 + 5) * 2, 10 * (2 + 4) + (10 + 5) * 2)),
+        ("2", True, False, (8 * 2 * 2 + 23, 10 * (2 + 4) + 23)),  # every unit keeps half its shard
     ],
 )
-def test_fsdp_buffer_bytes(policy, expected):
-    assert fsdp_buffer_bytes([10, 5, 8], 2, 4, policy) == expected
+def test_fsdp_buffer_bytes(policy, sharded, grad_in_forward, expected):
+    got = fsdp_buffer_bytes([10, 5, 8], 8, 2, 4, policy, sharded=sharded, output_grad_in_forward=grad_in_forward)
+    assert (got.forward_end, got.reduce_scatter) == expected
+
+
+def test_reduce_scatter_counts_the_unit_gathered_before_it():
+    # the 12-unit's gradient and reduce-scatter input (72) with the 8-unit gathered before it (16) beat the
+    # 5-unit's 30 with the 12-unit gathered (24), and the 8-unit's 48 with nothing
+    assert fsdp_buffer_bytes([8, 12, 5], 5, 2, 4, "default").reduce_scatter == 12 * 6 + 8 * 2
 
 
 # Peaks measured on one H200 (torch 2.11, bf16, seq 8192, local batch 2, selective 'op' AC, the loss of the whole
@@ -146,12 +155,18 @@ def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
     chunked = _estimate(monkeypatch, "1B", 2, False, "--training.loss_chunk_tokens", "1024", "--model.vocab_size",
                         "1024000")  # fmt: skip
     assert chunked.activations["loss or recompute"] == 1024 * 1024000 * 10  # one chunk: logits, fp32 copy, softmax
-    # one microbatch: backward frees activations as it makes gradients, so the peak holds the larger one
-    state = eager.params + eager.optimizer + eager.fsdp_buffers
-    assert eager.gpu_total == state + max(eager.grads, eager.activations["total"])
+    # one microbatch: backward frees activations as it makes gradients, so the peak is the largest moment
+    act, buffers = eager.activations, eager.buffers
+    assert eager.moments() == {
+        "end of forward": buffers.forward_end + act["total"],
+        "backward reduce-scatter": buffers.reduce_scatter + act[IN_BACKWARD],
+        "end of backward": buffers.reduce_scatter + eager.grads,
+    }
+    assert eager.gpu_total == eager.params + eager.optimizer + max(eager.moments().values())
     # accumulation: the gradients of earlier microbatches stay beside the next one's activations
     accum = _estimate(monkeypatch, "1B", 2, False, "--training.global_batch_size", "4")
-    assert accum.grads_with_activations and accum.gpu_total == state + accum.grads + accum.activations["total"]
+    assert accum.grads_with_activations and list(accum.moments()) == ["end of forward", "backward reduce-scatter"]
+    assert accum.moments()["end of forward"] == buffers.forward_end + act["total"] + accum.grads
 
 
 def test_dry_run_sizes_qwen3_8b_and_32b(capsys):

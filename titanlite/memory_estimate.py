@@ -20,21 +20,34 @@ Selective k wraps every k-th block (C) and leaves the others at F. Fused GPU ker
 attention backends) save a little less, so on GPUs this is an upper bound by a few percent.
 
 Sharded state per rank is read from the sharded (meta) model: the local shard of every parameter
-(fp32 master weights), as many bytes of gradients, and AdamW's two fp32 moments. With one microbatch
-per step, gradients and activations are not alive at once: backward frees a block's activations as it
-makes that block's gradients (and the last step's gradients were freed by zero_grad), so the step's
-peak holds max(activations, gradients); with accumulation the gradients persist across microbatches
-and the peak holds both. FSDP's buffers in
-flight: all-gathered parameters of the two largest units (the one computing and the one prefetched)
-in the compute dtype, plus the unsharded gradient of the largest unit in the compute dtype and its
-copy in the reduce dtype; with reshard_after_forward 'never' every unit stays gathered after forward,
-with an int N every unit keeps a 1/N shard.
+(fp32 master weights), as many bytes of gradients, and AdamW's two fp32 moments.
+
+FSDP's unsharded tensors (a = compute dtype, r = reduce dtype, units in forward order) follow FSDP2's own
+schedule (torch/distributed/fsdp/_fully_shard), at the two moments that can make a step's peak:
+
+    end of forward     the unit holding the output projection gathered, plus its all-gather output (FSDP
+                       keeps that until the root's forward ends, which is after titanlite's loss) when the
+                       unit is sharded over more than one rank, plus the output's gradient when the loss in
+                       chunks makes it in forward; with every block's activations and the loss's
+    reduce-scatter     a unit's unsharded gradient (a) and the reduce-scatter input it is copied into (r),
+                       plus the unit before it gathered (prefetched for the next backward); with the blocks'
+                       activations and one block's recompute, but no longer the loss's tensors
+
+With reshard_after_forward 'never' every unit stays gathered after forward; with an int N every unit keeps
+a 1/N shard. With one microbatch per step, gradients and activations are not alive at once (backward frees
+a block's activations as it makes that block's gradients), so the step's peak is the largest of: end of
+forward, reduce-scatter, and the whole gradient with a reduce-scatter's buffers (the end of backward); with
+accumulation the gradients persist across microbatches and are added to the first two. Each moment is
+checked against torch's FSDPMemTracker and against the peak RSS of real CPU runs in
+benchmarks/memory_estimate.py (tests/test_memory_estimate.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The activations left when backward reduce-scatters the first units (activation_bytes' extra entry).
+IN_BACKWARD = "in backward"
 # Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2}
 
@@ -60,7 +73,8 @@ def activation_bytes(
     at a time (0: all at once); compiled_loss: the loss is one
     compiled kernel that keeps only the logits. tp, sequence_parallel, loss_parallel: tensor parallelism
     (each rank keeps its share of the heads and features; with sequence parallelism 1 / tp of the residual
-    stream's tokens; with loss parallelism 1 / tp of the logits).
+    stream's tokens; with loss parallelism 1 / tp of the logits). The IN_BACKWARD entry is what is left once the
+    loss's tensors are freed (the blocks, the final norm and one block's recompute); it is not a part of 'total'.
     """
     sp = tp > 1 and sequence_parallel
     per_block = args.block_activation_bytes(act_bytes, tp, sp)
@@ -81,6 +95,7 @@ def activation_bytes(
         "loss or recompute": max(loss_tokens * loss, tokens * recompute),
     }
     parts["total"] = sum(parts.values())
+    parts[IN_BACKWARD] = parts["blocks"] + parts["final norm"] + tokens * recompute
     return parts
 
 
@@ -109,11 +124,11 @@ def unit_numels(model) -> list[int]:
     out = []
     for group in model.shard_groups():
         seen = {id(p): p for m in group for p in m.parameters()}
-        out.append(sum(_gathered_numel(p) for p in seen.values()))
+        out.append(sum(gathered_numel(p) for p in seen.values()))
     return out
 
 
-def _gathered_numel(p) -> int:
+def gathered_numel(p) -> int:
     """Elements of p once FSDP has gathered it over the data-parallel ranks (split over "tp" only)."""
     n = p.numel()
     mesh = getattr(p, "device_mesh", None)
@@ -125,13 +140,35 @@ def _gathered_numel(p) -> int:
     return n
 
 
-def fsdp_buffer_bytes(units: list[int], param_bytes: int, reduce_bytes: int, reshard_after_forward: str) -> int:
-    """Bytes of unsharded parameters and gradients FSDP holds at once (see the module docstring)."""
-    largest = sorted(units, reverse=True)[:2]
-    gathered = sum(largest) * param_bytes
+@dataclass
+class FsdpBuffers:
+    """Bytes of unsharded parameters and gradients FSDP holds at the moments that can make a step's peak (see the
+    module docstring)."""
+
+    forward_end: int
+    reduce_scatter: int
+
+
+def fsdp_buffer_bytes(
+    units: list[int],
+    output_unit: int,
+    param_bytes: int,
+    reduce_bytes: int,
+    reshard_after_forward: str,
+    sharded: bool = True,
+    output_grad_in_forward: bool = False,
+) -> FsdpBuffers:
+    """FSDP's buffers for units (gathered parameter counts in forward order); output_unit: the count of the unit that
+    holds the output projection; sharded: the units are split over more than one rank; output_grad_in_forward: the
+    loss in chunks makes the output's gradient (compute dtype) in forward."""
+    kept = 0
     if reshard_after_forward == "never":
-        gathered = sum(units) * param_bytes
+        kept = (sum(units) - output_unit) * param_bytes
     elif reshard_after_forward.isdigit():
-        gathered += sum(units) * param_bytes // int(reshard_after_forward)
-    grads = largest[0] * (param_bytes + (reduce_bytes if reduce_bytes != param_bytes else 0))
-    return gathered + grads
+        kept = sum(units) * param_bytes // int(reshard_after_forward)
+    forward_end = output_unit * param_bytes * (1 + int(sharded) + int(output_grad_in_forward))
+    before = [0] + units[:-1]  # the unit gathered (prefetched) while this one reduce-scatters
+    reducing = max(n * (param_bytes + reduce_bytes) + b * param_bytes for n, b in zip(units, before))
+    if reshard_after_forward == "never":  # every unit is gathered already: nothing to prefetch
+        reducing = max(units) * (param_bytes + reduce_bytes)
+    return FsdpBuffers(forward_end=forward_end + kept, reduce_scatter=reducing + kept)

@@ -32,8 +32,8 @@ class MemoryEstimate:
     params: int
     grads: int
     optimizer: int
-    fsdp_buffers: int
-    activations: dict[str, int]  # by part, with "total"
+    buffers: me.FsdpBuffers
+    activations: dict[str, int]  # by part, with "total" (and me.IN_BACKWARD)
     on_cpu: bool  # parameters, gradients and optimizer state offloaded to CPU memory
     grads_with_activations: bool  # gradients persist across microbatches (accumulation): both at the peak
     total_params: int  # model parameters (a tied weight once)
@@ -41,15 +41,35 @@ class MemoryEstimate:
     ac_blocks: list[int]
     compiled: int
 
+    def moments(self) -> dict[str, int]:
+        """Bytes on the GPU beyond the resident state at each moment that can make the step's peak (see
+        titanlite.memory_estimate): FSDP's buffers, the activations then and, with accumulation, the gradients."""
+        act, b = self.activations, self.buffers
+        held = self.grads if self.grads_with_activations and not self.on_cpu else 0
+        out = {
+            "end of forward": b.forward_end + act["total"] + held,
+            "backward reduce-scatter": b.reduce_scatter + act[me.IN_BACKWARD] + held,
+        }
+        if not self.grads_with_activations and not self.on_cpu:
+            out["end of backward"] = b.reduce_scatter + self.grads
+        return out
+
+    @property
+    def peak_moment(self) -> str:
+        """The moment of the step's peak."""
+        moments = self.moments()
+        return max(moments, key=moments.get)
+
+    @property
+    def fsdp_buffers(self) -> int:
+        """FSDP's buffers at the step's peak."""
+        return self.buffers.forward_end if self.peak_moment == "end of forward" else self.buffers.reduce_scatter
+
     @property
     def gpu_total(self) -> int:
-        """Bytes on the GPU at the step's peak: buffers, activations and, unless offloaded, the sharded state
-        (gradients beside the activations only with accumulation; see titanlite.memory_estimate)."""
-        if self.on_cpu:
-            return self.fsdp_buffers + self.activations["total"]
-        act = self.activations["total"]
-        grads_and_act = self.grads + act if self.grads_with_activations else max(self.grads, act)
-        return self.params + self.optimizer + self.fsdp_buffers + grads_and_act
+        """Bytes on the GPU at the step's peak: the sharded state (unless offloaded) and the largest moment."""
+        resident = 0 if self.on_cpu else self.params + self.optimizer
+        return resident + max(self.moments().values())
 
 
 def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> dict[str, int]:
@@ -74,8 +94,7 @@ def largest_local_batch(cfg, plan, est: MemoryEstimate, usable_bytes: float, lim
     """The largest training.local_batch_size whose step fits usable_bytes, all else as configured (0: none)."""
     best = 0
     for batch in range(1, limit + 1):
-        act = activations_for(cfg, plan, est.ac_blocks, batch)["total"]
-        trial = MemoryEstimate(**{**est.__dict__, "activations": {"total": act}})
+        trial = MemoryEstimate(**{**est.__dict__, "activations": activations_for(cfg, plan, est.ac_blocks, batch)})
         if trial.gpu_total > usable_bytes:
             break
         best = batch
@@ -92,6 +111,8 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
         state = me.sharded_state_bytes(built.model)
         units = me.unit_numels(built.model)
+        output_unit = me.gathered_numel(built.model.output.weight)
+        sharded = plan.dims.dp_shard > 1
         total_params = sum(p.numel() for p in built.model.parameters())
         setup_lines = describe(built.num_sharded, mesh, plan.dims, cfg.parallelism)
     finally:
@@ -100,13 +121,19 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     pbytes = dtype_bytes(t.mixed_precision_param)
     act = activations_for(cfg, plan, built.ac_blocks, t.local_batch_size)
     buffers = me.fsdp_buffer_bytes(
-        units, pbytes, dtype_bytes(t.mixed_precision_reduce), cfg.parallelism.fsdp_reshard_after_forward
+        units,
+        output_unit,
+        pbytes,
+        dtype_bytes(t.mixed_precision_reduce),
+        cfg.parallelism.fsdp_reshard_after_forward,
+        sharded=sharded,
+        output_grad_in_forward=chunked_loss_tokens(cfg, plan.dims.tp) > 0,
     )
     return MemoryEstimate(
         params=state.params,
         grads=state.grads,
         optimizer=state.optimizer,
-        fsdp_buffers=buffers,
+        buffers=buffers,
         activations=act,
         on_cpu=t.enable_cpu_offload,
         grads_with_activations=plan.grad_accum > 1,
@@ -155,16 +182,16 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             row("parameters", f"fp32 shards on {where_state}", est.params),
             row("gradients", f"fp32 shards on {where_state}", est.grads),
             row("optimizer", f"{cfg.optimizer.name}, 2 x fp32 per parameter on {where_state}", est.optimizer),
-            row("FSDP buffers", f"gathered units + unsharded grads ({p_dtype})", buffers),
+            row("FSDP buffers", "at the peak: gathered units + unsharded grads", buffers),
             row("activations", _activation_text(tokens, p_dtype, ac_label(ac)), act["total"]),
         ]
-        + [row("", f"  {k}", v) for k, v in act.items() if k != "total"]
+        + [row("", f"  {k}", v) for k, v in act.items() if k not in ("total", me.IN_BACKWARD)]
         + [
-            row(
-                "total on GPU",
-                "peak: " + ("gradients + activations" if est.grads_with_activations else "max(gradients, activations)"),
-                gpu_total,
-            ),
+            row("total on GPU", f"peak at: {est.peak_moment}", gpu_total),
+            "  moments       "
+            + ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.moments().items())
+            + " GiB beyond the state"
+            + (" (with the gradients of earlier microbatches)" if est.grads_with_activations else ""),
             f"  GPU memory    {gpu_mem_gib:.2f} GiB, {usable:.2f} usable ({RESERVE_FRACTION:.0%} kept for the CUDA "
             f"context, NCCL and fragmentation)",
             f"fits: {'yes' if fits else 'no'} ({gpu_total / GIB:.2f} of {usable:.2f} GiB usable)",
