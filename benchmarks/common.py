@@ -111,9 +111,18 @@ def register_shape(layers: int, hidden: int, intermediate: int, head_dim: int, s
     return BENCH_FLAVOR
 
 
-def build_trainer(
+def build_trainer(opts, dump_folder: str, **settings):
+    """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallelize
+    (settings: those of trainer_config)."""
+    from titanlite.trainer import Trainer
+
+    return Trainer(trainer_config(opts, dump_folder, int(os.environ["WORLD_SIZE"]), **settings))
+
+
+def trainer_config(
     opts,
     dump_folder: str,
+    world: int,
     *,
     local_batch_size: int,
     accumulation: int,
@@ -122,12 +131,10 @@ def build_trainer(
     dtype: str = "float32",
     extra: tuple[str, ...] = (),
 ):
-    """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallelize (extra:
-    more overrides; with --parallelism.tensor_parallel_degree N the global batch counts world / N dp ranks)."""
+    """The JobConfig of a benchmark Trainer of world ranks (extra: more overrides; with
+    --parallelism.tensor_parallel_degree N the global batch counts world / N dp ranks)."""
     from titanlite.config import load
-    from titanlite.trainer import Trainer
 
-    world = int(os.environ["WORLD_SIZE"])
     if "--parallelism.tensor_parallel_degree" in extra:
         world //= int(extra[extra.index("--parallelism.tensor_parallel_degree") + 1])
     flavor = register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
@@ -158,7 +165,7 @@ def build_trainer(
         dump_folder,
         *extra,
     ]
-    return Trainer(load(argv))
+    return load(argv)
 
 
 def random_microbatches(sizes: list[int], seq_len: int, vocab_size: int, seed: int) -> list[tuple]:

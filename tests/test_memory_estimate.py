@@ -1,0 +1,46 @@
+"""The dry run's memory estimate against real CPU runs at a reduced shape (wide, shallow, long sequence):
+each part against torch's FSDPMemTracker, and the step's peak also against the peak RSS of a real training run
+(benchmarks/memory_estimate.py measures both; the table of every case is in docs/performance.md)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # two cases of two processes each, three runs per case: about two minutes
+
+ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memory") / "figures.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    cases = ["fsdp2_bf16_op", "tp2_bf16"]  # FSDP buffers in mixed precision and selective AC; tp shards
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "memory_estimate.py"), "--cases", *cases, "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", ["fsdp2_bf16_op", "tp2_bf16"])
+def test_every_part_is_within_ten_percent_of_memtracker(measured, case):
+    est, tracked = measured[case]["estimate"], measured[case]["tracked"]
+    for part in ("params", "grads", "optimizer", "fsdp_buffers", "activations", "peak"):
+        assert abs(est[part] / tracked[part] - 1) < TOLERANCE, (case, part, est[part], tracked[part])
+
+
+@pytest.mark.parametrize("case", ["fsdp2_bf16_op", "tp2_bf16"])
+def test_peak_is_within_ten_percent_of_a_real_runs_peak_rss(measured, case):
+    est, rss = measured[case]["estimate"]["peak"], measured[case]["rss"]["peak"]
+    assert abs(est / rss - 1) < TOLERANCE, (case, est, rss)
