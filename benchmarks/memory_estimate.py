@@ -15,7 +15,8 @@ sized three ways:
   All Gather + Unsharded Grad + Reduce Scatter -> FSDP buffers and Activation + Temp -> activations (the
   estimate's figures are those of its own peak moment). The loss in chunks makes the output projection's
   unsharded gradient inside the forward, where the tracker files it as an activation; the estimate counts it
-  among the FSDP buffers, so it is moved there;
+  among the FSDP buffers, so it is moved there. At a peak in backward the tracker files the gradient a unit is
+  making as Temp, so there only buffers+activations compare;
 - rss: the peak resident memory of a real run (`titanlite.cli.train.main`, the embedded dataset, 3 steps),
   VmHWM less VmRSS just before the run, with glibc's mmap threshold fixed at 64 KiB so that a freed tensor
   leaves the process at once; less the host's share, which no estimate counts and which a GPU machine keeps in
@@ -35,13 +36,13 @@ import common
 
 MiB = 1024**2
 TOLERANCE = 0.10
-PARTS = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "peak")
+PARTS = ("params", "grads", "optimizer", "fsdp_buffers", "activations", "buffers+activations", "peak")
 FSDP_BUFFER_KINDS = ("Unsharded Param", "All Gather", "Unsharded Grad", "Reduce Scatter")
 
 # The host's own share of a run's RSS is measured with this model shape (everything else as the case says).
 TINY_SHAPE = {"layers": 1, "hidden": 128, "intermediate": 256, "vocab": 1024}
 
-# name: (world size, description, overrides)
+# name: (world size, description, overrides[, shape changes])
 CASES = {
     "one_rank_fp32": (1, "1 rank, fp32, no AC", ""),
     "fsdp2_fp32": (2, "FSDP 2, fp32, no AC", ""),
@@ -62,6 +63,17 @@ CASES = {
         "FSDP 2, fp32, reshard_after_forward never",
         "--parallelism.fsdp_reshard_after_forward never",
     ),
+    "fsdp2_fp32_full_deep": (
+        2,
+        "FSDP 2, fp32, full AC, 6 blocks, vocab 4096",
+        "--activation_checkpoint.mode full",
+        {"layers": 6, "vocab": 4096},
+    ),
+    "fsdp2_fp32_last_only_accum": (
+        2,
+        "FSDP 2, fp32, 2 microbatches, gradient_sync last_microbatch_only",
+        "--parallelism.gradient_sync last_microbatch_only",
+    ),
     "tp2_bf16": (
         2,
         "TP 2 (sequence + loss parallel), bf16, no AC",
@@ -72,7 +84,7 @@ CASES = {
 
 def _settings(name: str, opts) -> dict:
     """The trainer_config settings of one case."""
-    _world, _, overrides = CASES[name]
+    overrides = CASES[name][2]
     accumulation = 2 if name.endswith("_accum") else 1
     extra = ("--model.vocab_size", str(opts.vocab), *overrides.split())
     return dict(local_batch_size=1, accumulation=accumulation, replicate=1, extra=extra)
@@ -81,18 +93,20 @@ def _settings(name: str, opts) -> dict:
 def estimate_parts(cfg, world: int) -> dict[str, int]:
     """The dry run's figures for this job, by part (bytes on rank 0)."""
     from titanlite import sizing
-    from titanlite.memory_estimate import IN_BACKWARD
     from titanlite.plan import validate_for_world
 
     plan = validate_for_world(cfg, world, device_type=None)
     est = sizing.estimate(cfg, plan, world)
-    at_forward_end = est.peak_moment == "end of forward"
+    act = est.activations["total"] if est.peak_moment == "end of forward" else est.backward.activations
+    # last_microbatch_only: the unsharded gradients held between microbatches are FSDP's (Unsharded Grad)
+    buffers = est.fsdp_buffers + (est.held_grads if est.held_grads != est.grads else 0)
     return {
         "params": est.params,
         "grads": est.grads,
         "optimizer": est.optimizer,
-        "fsdp_buffers": est.fsdp_buffers,
-        "activations": est.activations["total" if at_forward_end else IN_BACKWARD],
+        "fsdp_buffers": buffers,
+        "activations": act,
+        "buffers+activations": buffers + act,
         "peak": est.gpu_total,
     }
 
@@ -123,20 +137,24 @@ def _tracked(opts, name: str) -> dict[str, int] | None:
     with tracker:
         trainer.train_step(batch)
     peak = {k.value: v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items() if k != "Total"}
-    grads = 0
+    grads, peak_in_backward = 0, False
     for stats in tracker.memory_tracking.values():
-        for snaps in stats.snapshots.values():
+        for state, snaps in stats.snapshots.items():
             for snap in snaps:
                 for by_kind in snap.values():
                     grads = max(grads, by_kind.get(_kind("SHARDED_GRAD"), 0))
-    moved = _output_grad_in_forward(trainer)
+                    if by_kind.get("Total") == sum(peak.values()) and "Backward" in state.value:
+                        peak_in_backward = True
+    moved = 0 if peak_in_backward else _output_grad_in_forward(trainer)  # reduced long before a backward peak
     return {
         "params": peak["Sharded Param"],
         "grads": grads,
         "optimizer": peak["OptState"],
         "fsdp_buffers": sum(peak.get(k, 0) for k in FSDP_BUFFER_KINDS) + moved,
         "activations": peak["Activation"] + peak["Temp"] - moved,
+        "buffers+activations": sum(peak.get(k, 0) for k in FSDP_BUFFER_KINDS) + peak["Activation"] + peak["Temp"],
         "peak": sum(peak.values()),
+        "peak_in_backward": peak_in_backward,
     }
 
 
@@ -190,6 +208,7 @@ def _rss_peak(opts, name: str, dump: str) -> tuple[int, int]:
 def measure(opts, name: str) -> dict[str, dict[str, int]]:
     """Estimate, tracked and rss figures of one case (bytes, rank 0)."""
     world = CASES[name][0]
+    opts = argparse.Namespace(**{**vars(opts), **(CASES[name][3] if len(CASES[name]) > 3 else {})})
     common.register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
     with tempfile.TemporaryDirectory() as dump:
         cfg = common.trainer_config(opts, dump, world, **_settings(name, opts))
@@ -215,7 +234,8 @@ def rows_of(name: str, res: dict) -> list[list[str]]:
             cells += ["-", "-"] if got is None else [f"{got / MiB:.1f}", f"{est / got:.3f}" if got else "-"]
         rows.append(cells)
     host = res["rss"]["host"] / MiB
-    return [[f"{CASES[name][1]} (host share of the rss: {host:.0f} MiB)", "", "", "", "", ""]] + rows
+    where = "backward" if res["tracked"].get("peak_in_backward") else "forward"
+    return [[f"{CASES[name][1]} (peak in {where}; host share of the rss {host:.0f} MiB)", "", "", "", "", ""]] + rows
 
 
 def main(argv=None) -> None:

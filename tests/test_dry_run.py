@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.cli import dry_run
-from titanlite.memory_estimate import IN_BACKWARD, fsdp_buffer_bytes
+from titanlite.memory_estimate import BackwardPeak, backward_peak, fsdp_buffer_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -94,18 +94,33 @@ def test_dry_run_catches_the_runs_config_errors(capsys):
 
 
 @pytest.mark.parametrize(
-    "policy, sharded, grad_in_forward, expected",
-    [  # units 10, 5, 8 in forward order, the output in the last; compute 2 bytes, reduce 4
-        ("default", True, False, (8 * 2 * 2, 10 * (2 + 4))),  # the output unit and its all-gather output
-        ("default", True, True, (8 * 2 * 3, 10 * (2 + 4))),  # and the output's gradient made in forward
-        ("default", False, False, (8 * 2, 10 * (2 + 4))),  # one rank: no all-gather output is kept
-        ("never", True, False, (8 * 2 * 2 + (10 + 5) * 2, 10 * (2 + 4) + (10 + 5) * 2)),
-        ("2", True, False, (8 * 2 * 2 + 23, 10 * (2 + 4) + 23)),  # every unit keeps half its shard
+    "policy, sharded, in_forward, expected",
+    [  # units 10, 5, 8 in forward order, the output in the last; compute 2 bytes, reduce 4. Backward peaks at
+        # the 5-unit: its parameters and gradient (2 x 10) beside the 8-unit's reduce-scatter input (32), with
+        # the 10-unit prefetched (20)
+        ("default", True, False, (8 * 2, 52 + 20)),  # the loss after forward: the output unit only
+        ("default", True, True, (8 * 2 * 3, 52 + 20)),  # the loss in forward: its gradient, the all-gather output
+        ("default", False, True, (8 * 2 * 2, 52 + 20)),  # one rank: no all-gather output is kept
+        ("never", True, False, (8 * 2 + (10 + 5) * 2, 10 * (2 + 4) + (10 + 5) * 2)),  # nothing to prefetch
+        ("2", True, False, (8 * 2 + 23, 52 + 20 + 23)),  # every unit keeps half its shard
     ],
 )
-def test_fsdp_buffer_bytes(policy, sharded, grad_in_forward, expected):
-    got = fsdp_buffer_bytes([10, 5, 8], 8, 2, 4, policy, sharded=sharded, output_grad_in_forward=grad_in_forward)
+def test_fsdp_buffer_bytes(policy, sharded, in_forward, expected):
+    got = fsdp_buffer_bytes([10, 5, 8], 8, 2, 4, policy, sharded=sharded, loss_in_forward=in_forward)
     assert (got.forward_end, got.reduce_scatter) == expected
+
+
+def test_backward_walk_unit_by_unit():
+    # units: embedding 10, blocks 6 and 4, output 8; each block keeps 100 bytes of activations, the second is
+    # checkpointed (rebuilds 50); the final norm keeps 7; 46 bytes of gradients (2 per unit parameter); a = 2, r = 4
+    walk = lambda policy: backward_peak([10, 6, 4, 8], [None, 0, 1, None], [100, 100], [0, 50], 7, 56, 8, 2, 4,
+                                        policy)  # fmt: skip
+    # the candidates, unit by unit from the last: output 8 (buffers max(48, 32) + 4 * 2; both blocks and the norm),
+    # block 1 (max(24, 16 + 32) + 12; blocks 0, 1, its rebuild, the norm; 16 of gradients),
+    # block 0 (max(36, 24 + 16) + 20; block 0 and the norm; 24 of gradients), embedding (max(60, 40 + 24); 36)
+    assert walk("default") == BackwardPeak(buffers=48 + 12, activations=200 + 50 + 7, grads=16)
+    never = walk("never")  # everything stays gathered, nothing to prefetch: (10 + 6 + 4) * 2 kept
+    assert never == BackwardPeak(buffers=48 + 40, activations=257, grads=16)
 
 
 def test_reduce_scatter_counts_the_unit_gathered_before_it():
@@ -155,18 +170,34 @@ def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
     chunked = _estimate(monkeypatch, "1B", 2, False, "--training.loss_chunk_tokens", "1024", "--model.vocab_size",
                         "1024000")  # fmt: skip
     assert chunked.activations["loss or recompute"] == 1024 * 1024000 * 10  # one chunk: logits, fp32 copy, softmax
-    # one microbatch: backward frees activations as it makes gradients, so the peak is the largest moment
-    act, buffers = eager.activations, eager.buffers
-    assert eager.moments() == {
-        "end of forward": buffers.forward_end + act["total"],
-        "backward reduce-scatter": buffers.reduce_scatter + act[IN_BACKWARD],
-        "end of backward": buffers.reduce_scatter + eager.grads,
-    }
+    # one microbatch: backward frees activations as it makes gradients, so the peak is the larger moment
+    act, buffers, walk = eager.activations, eager.buffers, eager.backward
+    assert eager.moments() == {"end of forward": buffers.forward_end + act["total"], "backward": walk.total}
     assert eager.gpu_total == eager.params + eager.optimizer + max(eager.moments().values())
     # accumulation: the gradients of earlier microbatches stay beside the next one's activations
     accum = _estimate(monkeypatch, "1B", 2, False, "--training.global_batch_size", "4")
-    assert accum.grads_with_activations and list(accum.moments()) == ["end of forward", "backward reduce-scatter"]
-    assert accum.moments()["end of forward"] == buffers.forward_end + act["total"] + accum.grads
+    assert accum.grads_with_activations and accum.held_grads == accum.grads
+    assert accum.moments() == {
+        "end of forward": buffers.forward_end + act["total"] + accum.grads,
+        "backward": walk.total - walk.grads + accum.grads,
+    }
+
+
+def test_last_microbatch_only_holds_every_units_unsharded_gradient():
+    from titanlite.config import load
+    from titanlite.plan import validate_for_world
+    from titanlite.sizing import estimate
+
+    def sized(sync):
+        cfg = load(["--job.config_file", "llama8b_fsdp", "--training.global_batch_size", "16",
+                    "--parallelism.gradient_sync", sync])  # fmt: skip
+        return estimate(cfg, validate_for_world(cfg, 8, device_type=None), 8)
+
+    every, last_only = sized("every_microbatch"), sized("last_microbatch_only")
+    assert every.held_grads == every.grads  # this rank's fp32 shards
+    # every unit's whole gradient in the reduce dtype (fp32): the whole model's, the final norm being in the output's
+    assert last_only.held_grads == last_only.total_params * 4
+    assert last_only.gpu_total - every.gpu_total == last_only.held_grads - every.held_grads > 25 * GIB
 
 
 def test_dry_run_sizes_qwen3_8b_and_32b(capsys):

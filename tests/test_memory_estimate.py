@@ -10,17 +10,20 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # two cases of two processes each, three runs per case: about two minutes
+pytestmark = pytest.mark.slow  # three cases of two processes each, three runs per case: about two minutes
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.10
+# FSDP buffers in mixed precision with selective AC (peak at the end of forward); a peak in backward (full AC,
+# 6 blocks); tp shards
+CASES = ["fsdp2_bf16_op", "fsdp2_fp32_full_deep", "tp2_bf16"]
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory") / "figures.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    cases = ["fsdp2_bf16_op", "tp2_bf16"]  # FSDP buffers in mixed precision and selective AC; tp shards
+    cases = CASES
     r = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "memory_estimate.py"), "--cases", *cases, "--json", str(out)],
         cwd=ROOT,
@@ -33,14 +36,20 @@ def measured(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", ["fsdp2_bf16_op", "tp2_bf16"])
+@pytest.mark.parametrize("case", CASES)
 def test_every_part_is_within_ten_percent_of_memtracker(measured, case):
     est, tracked = measured[case]["estimate"], measured[case]["tracked"]
-    for part in ("params", "grads", "optimizer", "fsdp_buffers", "activations", "peak"):
+    # in backward the tracker files the gradient a unit is making as Temp: only the sum of the two compares
+    split = () if tracked["peak_in_backward"] else ("fsdp_buffers", "activations")
+    for part in ("params", "grads", "optimizer", *split, "buffers+activations", "peak"):
         assert abs(est[part] / tracked[part] - 1) < TOLERANCE, (case, part, est[part], tracked[part])
 
 
-@pytest.mark.parametrize("case", ["fsdp2_bf16_op", "tp2_bf16"])
+@pytest.mark.parametrize("case", CASES)
 def test_peak_is_within_ten_percent_of_a_real_runs_peak_rss(measured, case):
     est, rss = measured[case]["estimate"]["peak"], measured[case]["rss"]["peak"]
     assert abs(est / rss - 1) < TOLERANCE, (case, est, rss)
+
+
+def test_the_cases_peak_where_they_are_meant_to(measured):
+    assert [measured[c]["tracked"]["peak_in_backward"] for c in CASES] == [False, True, False]

@@ -23,22 +23,22 @@ Sharded state per rank is read from the sharded (meta) model: the local shard of
 (fp32 master weights), as many bytes of gradients, and AdamW's two fp32 moments.
 
 FSDP's unsharded tensors (a = compute dtype, r = reduce dtype, units in forward order) follow FSDP2's own
-schedule (torch/distributed/fsdp/_fully_shard), at the two moments that can make a step's peak:
+schedule (torch/distributed/fsdp/_fully_shard). The step's peak is the larger of two moments:
 
-    end of forward     the unit holding the output projection gathered, plus its all-gather output (FSDP
-                       keeps that until the root's forward ends, which is after titanlite's loss) when the
-                       unit is sharded over more than one rank, plus the output's gradient when the loss in
-                       chunks makes it in forward; with every block's activations and the loss's
-    reduce-scatter     a unit's unsharded gradient (a) and the reduce-scatter input it is copied into (r),
-                       plus the unit before it gathered (prefetched for the next backward); with the blocks'
-                       activations and one block's recompute, but no longer the loss's tensors
+    end of forward     every block's activations and the loss's; FSDP holds the unit with the output
+                       projection gathered and, with the loss in chunks (which runs inside the model's
+                       forward), the output's gradient made there and, when the unit is sharded over more
+                       than one rank, its all-gather output (kept until the root's forward ends)
+    backward           the largest over the units' backward (backward_peak): unit k's parameters and
+                       gradient (a) beside the reduce-scatter input (r) of the unit after it, then its own
+                       gradient and reduce-scatter input, with unit k - 1 prefetched; the activations of the
+                       blocks up to k (k's own rebuilt if checkpointed); and this rank's share of the
+                       gradients of the units after k, already reduced
 
 With reshard_after_forward 'never' every unit stays gathered after forward; with an int N every unit keeps
-a 1/N shard. With one microbatch per step, gradients and activations are not alive at once (backward frees
-a block's activations as it makes that block's gradients), so the step's peak is the largest of: end of
-forward, reduce-scatter, and the whole gradient with a reduce-scatter's buffers (the end of backward); with
-accumulation the gradients persist across microbatches and are added to the first two. Each moment is
-checked against torch's FSDPMemTracker and against the peak RSS of real CPU runs in
+a 1/N shard. With accumulation the gradients persist across microbatches and are added to both moments (with
+gradient_sync last_microbatch_only, every unit's unsharded gradient in the reduce dtype instead of the sharded
+ones). Both moments are checked against torch's FSDPMemTracker and against the peak RSS of real CPU runs in
 benchmarks/memory_estimate.py (tests/test_memory_estimate.py).
 """
 
@@ -46,8 +46,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The activations left when backward reduce-scatters the first units (activation_bytes' extra entry).
-IN_BACKWARD = "in backward"
 # Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2}
 
@@ -73,14 +71,12 @@ def activation_bytes(
     at a time (0: all at once); compiled_loss: the loss is one
     compiled kernel that keeps only the logits. tp, sequence_parallel, loss_parallel: tensor parallelism
     (each rank keeps its share of the heads and features; with sequence parallelism 1 / tp of the residual
-    stream's tokens; with loss parallelism 1 / tp of the logits). The IN_BACKWARD entry is what is left once the
-    loss's tensors are freed (the blocks, the final norm and one block's recompute); it is not a part of 'total'.
+    stream's tokens; with loss parallelism 1 / tp of the logits).
     """
     sp = tp > 1 and sequence_parallel
     per_block = args.block_activation_bytes(act_bytes, tp, sp)
-    op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
-    kept = op if op_sac else per_block["full"]
-    blocks = sum(kept if i in wrapped else per_block["none"] for i in range(args.n_layers))
+    kept, _ = block_bytes(args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel)
+    blocks = sum(kept)
     vocab = args.vocab_size // tp if loss_parallel or loss_chunk_tokens > 0 else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
     if tp > 1 and loss_parallel and not compiled_loss:  # DTensor's loss_parallel keeps one more copy
@@ -95,8 +91,28 @@ def activation_bytes(
         "loss or recompute": max(loss_tokens * loss, tokens * recompute),
     }
     parts["total"] = sum(parts.values())
-    parts[IN_BACKWARD] = parts["blocks"] + parts["final norm"] + tokens * recompute
     return parts
+
+
+def block_bytes(
+    args,
+    tokens: int,
+    act_bytes: int,
+    wrapped: list[int],
+    op_sac: bool,
+    op_policy: str = "all_matmuls",
+    tp: int = 1,
+    sequence_parallel: bool = True,
+) -> tuple[list[int], list[int]]:
+    """Per block (arguments as activation_bytes'): the bytes it keeps for backward, and the bytes its backward
+    rebuilds on top of them (a checkpointed block's whole forward; 0 for the others)."""
+    per_block = args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel)
+    op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
+    kept = op if op_sac else per_block["full"]
+    blocks = range(args.n_layers)
+    return [tokens * (kept if i in wrapped else per_block["none"]) for i in blocks], [
+        tokens * per_block["none"] if i in wrapped else 0 for i in blocks
+    ]
 
 
 @dataclass
@@ -128,6 +144,12 @@ def unit_numels(model) -> list[int]:
     return out
 
 
+def unit_blocks(model) -> list[int | None]:
+    """For each fully_shard unit of the model (as unit_numels), the index of the transformer block it is, or None."""
+    index = {id(block): i for i, block in enumerate(model.layers)}
+    return [index.get(id(group[0])) if len(group) == 1 else None for group in model.shard_groups()]
+
+
 def gathered_numel(p) -> int:
     """Elements of p once FSDP has gathered it over the data-parallel ranks (split over "tp" only)."""
     n = p.numel()
@@ -149,6 +171,24 @@ class FsdpBuffers:
     reduce_scatter: int
 
 
+def _kept_gathered(units: list[int], output_unit: int, param_bytes: int, reshard_after_forward: str) -> int:
+    """Bytes of parameters that stay gathered after forward beyond the unit computing ('never'; an int N)."""
+    if reshard_after_forward == "never":
+        return (sum(units) - output_unit) * param_bytes
+    if reshard_after_forward.isdigit():
+        return sum(units) * param_bytes // int(reshard_after_forward)
+    return 0
+
+
+def _unit_backward_buffers(units: list[int], k: int, a: int, r: int, prefetch: bool) -> int:
+    """FSDP's buffers over unit k's backward: its parameters and gradient beside the reduce-scatter input of the unit
+    after it (freed at k's post-backward), then its own gradient and reduce-scatter input; unit k - 1 prefetched."""
+    n = units[k]
+    after = units[k + 1] if k + 1 < len(units) else 0
+    before = units[k - 1] if k and prefetch else 0
+    return max(n * (a + r), 2 * n * a + after * r) + before * a
+
+
 def fsdp_buffer_bytes(
     units: list[int],
     output_unit: int,
@@ -156,19 +196,61 @@ def fsdp_buffer_bytes(
     reduce_bytes: int,
     reshard_after_forward: str,
     sharded: bool = True,
-    output_grad_in_forward: bool = False,
+    loss_in_forward: bool = False,
 ) -> FsdpBuffers:
     """FSDP's buffers for units (gathered parameter counts in forward order); output_unit: the count of the unit that
-    holds the output projection; sharded: the units are split over more than one rank; output_grad_in_forward: the
-    loss in chunks makes the output's gradient (compute dtype) in forward."""
-    kept = 0
-    if reshard_after_forward == "never":
-        kept = (sum(units) - output_unit) * param_bytes
-    elif reshard_after_forward.isdigit():
-        kept = sum(units) * param_bytes // int(reshard_after_forward)
-    forward_end = output_unit * param_bytes * (1 + int(sharded) + int(output_grad_in_forward))
-    before = [0] + units[:-1]  # the unit gathered (prefetched) while this one reduce-scatters
-    reducing = max(n * (param_bytes + reduce_bytes) + b * param_bytes for n, b in zip(units, before))
-    if reshard_after_forward == "never":  # every unit is gathered already: nothing to prefetch
-        reducing = max(units) * (param_bytes + reduce_bytes)
+    holds the output projection; sharded: the units are split over more than one rank; loss_in_forward: the loss
+    in chunks runs inside the model's forward, making the output's gradient (compute dtype) there while FSDP still
+    holds the output unit's all-gather output. reduce_scatter: the largest over the units' backward."""
+    a, r = param_bytes, reduce_bytes
+    kept = _kept_gathered(units, output_unit, a, reshard_after_forward)
+    forward_end = output_unit * a * (1 + int(sharded and loss_in_forward) + int(loss_in_forward))
+    prefetch = reshard_after_forward != "never"  # 'never': every unit is gathered already
+    reducing = max(_unit_backward_buffers(units, k, a, r, prefetch) for k in range(len(units)))
     return FsdpBuffers(forward_end=forward_end + kept, reduce_scatter=reducing + kept)
+
+
+@dataclass
+class BackwardPeak:
+    """The largest moment of backward, by part: FSDP's buffers, the activations still alive, and the gradients
+    already reduced (sharded)."""
+
+    buffers: int
+    activations: int
+    grads: int
+
+    @property
+    def total(self) -> int:
+        return self.buffers + self.activations + self.grads
+
+
+def backward_peak(
+    units: list[int],
+    unit_blocks: list[int | None],
+    block_kept: list[int],
+    block_rebuilt: list[int],
+    final_norm: int,
+    grads: int,
+    output_unit: int,
+    param_bytes: int,
+    reduce_bytes: int,
+    reshard_after_forward: str,
+) -> BackwardPeak:
+    """Walk backward unit by unit (units in forward order; unit_blocks: the block each unit holds, or None; block_kept
+    and block_rebuilt from block_bytes): at unit k, the blocks up to its own keep their activations (its own rebuilt
+    if checkpointed), and the units after it have their sharded share of grads (this rank's gradient bytes)."""
+    a, r = param_bytes, reduce_bytes
+    kept = _kept_gathered(units, output_unit, a, reshard_after_forward)
+    first_block = next((k for k, b in enumerate(unit_blocks) if b is not None), len(units))
+    total_units = sum(units) or 1
+    best = BackwardPeak(0, 0, 0)
+    for k in range(len(units)):
+        block = unit_blocks[k]
+        if block is not None:
+            act = sum(block_kept[: block + 1]) + block_rebuilt[block] + final_norm
+        else:  # the embedding runs backward after every block, the output before them
+            act = 0 if k < first_block else sum(block_kept) + final_norm
+        buffers = _unit_backward_buffers(units, k, a, r, reshard_after_forward != "never") + kept
+        moment = BackwardPeak(buffers, act, grads * sum(units[k + 1 :]) // total_units)
+        best = max(best, moment, key=lambda m: m.total)
+    return best

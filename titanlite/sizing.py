@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 from titanlite import memory_estimate as me
 from titanlite.compat import fake_store
+from titanlite.config import gradient_sync_mode
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model, chunked_loss_tokens
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelize import ac_label, compile_problem, describe, describe_ac_compile
+from titanlite.parallelize import ac_label, compile_problem, describe, describe_ac_compile, gradient_sync_plan
 
 DEFAULT_GPU_MEM_GIB = 80.0
 # Kept free for the CUDA context, NCCL's buffers and the caching allocator's fragmentation.
@@ -33,9 +34,14 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     buffers: me.FsdpBuffers
-    activations: dict[str, int]  # by part, with "total" (and me.IN_BACKWARD)
+    activations: dict[str, int]  # by part, with "total"
+    backward: me.BackwardPeak  # the largest moment of backward
+    units: list[int]  # parameter count of each fully_shard unit as gathered, in forward order
+    unit_blocks: list[int | None]  # the transformer block each unit is, or None
+    output_unit: int  # parameter count of the output projection as gathered
     on_cpu: bool  # parameters, gradients and optimizer state offloaded to CPU memory
     grads_with_activations: bool  # gradients persist across microbatches (accumulation): both at the peak
+    held_grads: int  # bytes of those gradients (last_microbatch_only: every unit's unsharded gradient)
     total_params: int  # model parameters (a tied weight once)
     setup_lines: list[str]  # the sharding lines of the start-up log
     ac_blocks: list[int]
@@ -45,14 +51,10 @@ class MemoryEstimate:
         """Bytes on the GPU beyond the resident state at each moment that can make the step's peak (see
         titanlite.memory_estimate): FSDP's buffers, the activations then and, with accumulation, the gradients."""
         act, b = self.activations, self.buffers
-        held = self.grads if self.grads_with_activations and not self.on_cpu else 0
-        out = {
-            "end of forward": b.forward_end + act["total"] + held,
-            "backward reduce-scatter": b.reduce_scatter + act[me.IN_BACKWARD] + held,
-        }
-        if not self.grads_with_activations and not self.on_cpu:
-            out["end of backward"] = b.reduce_scatter + self.grads
-        return out
+        held = self.held_grads if self.grads_with_activations and not self.on_cpu else 0
+        # With accumulation every gradient is held already: the walk's share of reduced ones is not added twice.
+        walk = self.backward.total - (self.backward.grads if self.grads_with_activations or self.on_cpu else 0)
+        return {"end of forward": b.forward_end + act["total"] + held, "backward": walk + held}
 
     @property
     def peak_moment(self) -> str:
@@ -63,7 +65,7 @@ class MemoryEstimate:
     @property
     def fsdp_buffers(self) -> int:
         """FSDP's buffers at the step's peak."""
-        return self.buffers.forward_end if self.peak_moment == "end of forward" else self.buffers.reduce_scatter
+        return self.buffers.forward_end if self.peak_moment == "end of forward" else self.backward.buffers
 
     @property
     def gpu_total(self) -> int:
@@ -90,11 +92,37 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
     )
 
 
+def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int) -> me.BackwardPeak:
+    """The largest moment of backward (memory_estimate.backward_peak) for microbatches of local_batch_size."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    act_bytes = dtype_bytes(t.mixed_precision_param)
+    tokens = local_batch_size * t.seq_len
+    op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
+    tp, sp = plan.dims.tp, cfg.parallelism.enable_sequence_parallel
+    kept, rebuilt = me.block_bytes(
+        plan.model_args, tokens, act_bytes, est.ac_blocks, op_sac, ac.selective_op_policy, tp, sp
+    )
+    final_norm = activations_for(cfg, plan, est.ac_blocks, local_batch_size)["final norm"]
+    return me.backward_peak(
+        est.units,
+        est.unit_blocks,
+        kept,
+        rebuilt,
+        final_norm,
+        est.grads,
+        est.output_unit,
+        act_bytes,
+        dtype_bytes(t.mixed_precision_reduce),
+        cfg.parallelism.fsdp_reshard_after_forward,
+    )
+
+
 def largest_local_batch(cfg, plan, est: MemoryEstimate, usable_bytes: float, limit: int = 4096) -> int:
     """The largest training.local_batch_size whose step fits usable_bytes, all else as configured (0: none)."""
     best = 0
     for batch in range(1, limit + 1):
-        trial = MemoryEstimate(**{**est.__dict__, "activations": activations_for(cfg, plan, est.ac_blocks, batch)})
+        act = activations_for(cfg, plan, est.ac_blocks, batch)
+        trial = MemoryEstimate(**{**est.__dict__, "activations": act, "backward": backward_for(cfg, plan, est, batch)})
         if trial.gpu_total > usable_bytes:
             break
         best = batch
@@ -111,6 +139,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
         state = me.sharded_state_bytes(built.model)
         units = me.unit_numels(built.model)
+        unit_blocks = me.unit_blocks(built.model)
         output_unit = me.gathered_numel(built.model.output.weight)
         sharded = plan.dims.dp_shard > 1
         total_params = sum(p.numel() for p in built.model.parameters())
@@ -120,28 +149,37 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     t = cfg.training
     pbytes = dtype_bytes(t.mixed_precision_param)
     act = activations_for(cfg, plan, built.ac_blocks, t.local_batch_size)
+    rbytes = dtype_bytes(t.mixed_precision_reduce)
+    sync, _ = gradient_sync_plan(gradient_sync_mode(cfg.parallelism), plan.dims, plan.grad_accum)
     buffers = me.fsdp_buffer_bytes(
         units,
         output_unit,
         pbytes,
-        dtype_bytes(t.mixed_precision_reduce),
+        rbytes,
         cfg.parallelism.fsdp_reshard_after_forward,
         sharded=sharded,
-        output_grad_in_forward=chunked_loss_tokens(cfg, plan.dims.tp) > 0,
+        loss_in_forward=chunked_loss_tokens(cfg, plan.dims.tp) > 0,
     )
-    return MemoryEstimate(
+    est = MemoryEstimate(
         params=state.params,
         grads=state.grads,
         optimizer=state.optimizer,
         buffers=buffers,
         activations=act,
+        backward=me.BackwardPeak(0, 0, 0),
+        units=units,
+        unit_blocks=unit_blocks,
+        output_unit=output_unit,
         on_cpu=t.enable_cpu_offload,
         grads_with_activations=plan.grad_accum > 1,
+        held_grads=sum(units) * rbytes if sync == "last_microbatch_only" else state.grads,
         total_params=total_params,
         setup_lines=setup_lines,
         ac_blocks=built.ac_blocks,
         compiled=built.compiled,
     )
+    est.backward = backward_for(cfg, plan, est, t.local_batch_size)
+    return est
 
 
 def _activation_text(tokens: int, dtype: str, ac: str) -> str:
@@ -185,13 +223,13 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             row("FSDP buffers", "at the peak: gathered units + unsharded grads", buffers),
             row("activations", _activation_text(tokens, p_dtype, ac_label(ac)), act["total"]),
         ]
-        + [row("", f"  {k}", v) for k, v in act.items() if k not in ("total", me.IN_BACKWARD)]
+        + [row("", f"  {k}", v) for k, v in act.items() if k != "total"]
         + [
             row("total on GPU", f"peak at: {est.peak_moment}", gpu_total),
             "  moments       "
             + ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.moments().items())
             + " GiB beyond the state"
-            + (" (with the gradients of earlier microbatches)" if est.grads_with_activations else ""),
+            + (" (with the gradients held between microbatches)" if est.grads_with_activations else ""),
             f"  GPU memory    {gpu_mem_gib:.2f} GiB, {usable:.2f} usable ({RESERVE_FRACTION:.0%} kept for the CUDA "
             f"context, NCCL and fragmentation)",
             f"fits: {'yes' if fits else 'no'} ({gpu_total / GIB:.2f} of {usable:.2f} GiB usable)",
