@@ -125,6 +125,22 @@ def run_module(module: str, *args, env: dict | None = None, timeout: float = 300
     )
 
 
+def run_benchmark(script: str, *args, timeout: float = 300) -> str:
+    """Run `python benchmarks/<script> args` from the checkout (its own device choice); its stdout, after
+    asserting it exited 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return r.stdout
+
+
 def faults_env(spec: str, **extra) -> dict:
     """subprocess_env plus fault injection (tests/faults/sitecustomize.py reads TITANLITE_FAULTS)."""
     return subprocess_env(PYTHONPATH=f"{FAULTS_DIR}{os.pathsep}{ROOT}", TITANLITE_FAULTS=spec, **extra)

@@ -1,13 +1,12 @@
 """Each benchmark script runs with tiny arguments and prints its table (no timing is asserted)."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_benchmark
 
 pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
 
@@ -15,18 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_SHAPE = ["--layers", "1", "--hidden", "64", "--intermediate", "96", "--seq-len", "16", "--device", "cpu"]
 
 
-def _bench(script, *args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    return r.stdout
+_bench = run_benchmark
 
 
 def test_delayed_all_reduce_benchmark_prints_its_table():

@@ -3,16 +3,13 @@ each part against torch's FSDPMemTracker, and the step's peak also against the p
 (benchmarks/memory_estimate.py measures both; the table of every case is in docs/performance.md)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import run_benchmark
+
 pytestmark = pytest.mark.slow  # three cases of two processes each, three runs per case: about two minutes
 
-ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.10
 # FSDP buffers in mixed precision with selective AC (peak at the end of forward); a peak in backward (full AC,
 # 6 blocks); tp shards
@@ -22,17 +19,7 @@ CASES = ["fsdp2_bf16_op", "fsdp2_fp32_full_deep", "tp2_bf16"]
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory") / "figures.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    cases = CASES
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "memory_estimate.py"), "--cases", *cases, "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    run_benchmark("memory_estimate.py", "--cases", *CASES, "--json", out, timeout=600)
     return json.loads(out.read_text())
 
 
