@@ -172,7 +172,11 @@ def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
     assert chunked.activations["loss or recompute"] == 1024 * 1024000 * 10  # one chunk: logits, fp32 copy, softmax
     # one microbatch: backward frees activations as it makes gradients, so the peak is the larger moment
     act, buffers, walk = eager.activations, eager.buffers, eager.backward
-    assert eager.moments() == {"end of forward": buffers.forward_end + act["total"], "backward": walk.total}
+    assert eager.moments() == {
+        "end of forward": buffers.forward_end + act["total"],
+        "backward": walk.total,
+        "optimizer step": eager.grads,
+    }
     assert eager.gpu_total == eager.params + eager.optimizer + max(eager.moments().values())
     # accumulation: the gradients of earlier microbatches stay beside the next one's activations
     accum = _estimate(monkeypatch, "1B", 2, False, "--training.global_batch_size", "4")
@@ -180,6 +184,7 @@ def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
     assert accum.moments() == {
         "end of forward": buffers.forward_end + act["total"] + accum.grads,
         "backward": walk.total - walk.grads + accum.grads,
+        "optimizer step": accum.grads,
     }
 
 

@@ -23,7 +23,7 @@ Sharded state per rank is read from the sharded (meta) model: the local shard of
 (fp32 master weights), as many bytes of gradients, and AdamW's two fp32 moments.
 
 FSDP's unsharded tensors (a = compute dtype, r = reduce dtype, units in forward order) follow FSDP2's own
-schedule (torch/distributed/fsdp/_fully_shard). The step's peak is the larger of two moments:
+schedule (torch/distributed/fsdp/_fully_shard). The step's peak is the largest of three moments:
 
     end of forward     every block's activations and the loss's; FSDP holds the unit with the output
                        projection gathered and, with the loss in chunks (which runs inside the model's
@@ -34,11 +34,13 @@ schedule (torch/distributed/fsdp/_fully_shard). The step's peak is the larger of
                        gradient and reduce-scatter input, with unit k - 1 prefetched; the activations of the
                        blocks up to k (k's own rebuilt if checkpointed); and this rank's share of the
                        gradients of the units after k, already reduced
+    optimizer step     every gradient (fused AdamW on GPUs makes no temporaries; the CPU's foreach AdamW
+                       makes one gradient-sized temporary, which is not counted)
 
 With reshard_after_forward 'never' every unit stays gathered after forward; with an int N every unit keeps
-a 1/N shard. With accumulation the gradients persist across microbatches and are added to both moments (with
+a 1/N shard. With accumulation the gradients persist across microbatches and are added to the first two (with
 gradient_sync last_microbatch_only, every unit's unsharded gradient in the reduce dtype instead of the sharded
-ones). Both moments are checked against torch's FSDPMemTracker and against the peak RSS of real CPU runs in
+ones). The moments are checked against torch's FSDPMemTracker and against the peak RSS of real CPU runs in
 benchmarks/memory_estimate.py (tests/test_memory_estimate.py).
 """
 

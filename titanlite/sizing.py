@@ -54,7 +54,10 @@ class MemoryEstimate:
         held = self.held_grads if self.grads_with_activations and not self.on_cpu else 0
         # With accumulation every gradient is held already: the walk's share of reduced ones is not added twice.
         walk = self.backward.total - (self.backward.grads if self.grads_with_activations or self.on_cpu else 0)
-        return {"end of forward": b.forward_end + act["total"] + held, "backward": walk + held}
+        out = {"end of forward": b.forward_end + act["total"] + held, "backward": walk + held}
+        if not self.on_cpu:  # fused AdamW on GPUs makes no temporaries beside the gradients
+            out["optimizer step"] = self.grads
+        return out
 
     @property
     def peak_moment(self) -> str:
