@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.cli import dry_run
-from titanlite.memory_estimate import BackwardPeak, backward_peak, fsdp_buffer_bytes
+from titanlite.memory_estimate import BackwardPeak, backward_peak, forward_end_buffer_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -106,8 +106,13 @@ def test_dry_run_catches_the_runs_config_errors(capsys):
     ],
 )
 def test_fsdp_buffer_bytes(policy, sharded, in_forward, expected):
-    got = fsdp_buffer_bytes([10, 5, 8], 8, 2, 4, policy, sharded=sharded, loss_in_forward=in_forward)
-    assert (got.forward_end, got.reduce_scatter) == expected
+    forward_end = forward_end_buffer_bytes([10, 5, 8], 8, 2, policy, sharded=sharded, loss_in_forward=in_forward)
+    assert (forward_end, _backward_buffers([10, 5, 8], 8, policy)) == expected
+
+
+def _backward_buffers(units, output_unit, policy):
+    """FSDP's largest buffers over backward: the walk with no activations and no gradients (compute 2, reduce 4)."""
+    return backward_peak(units, [None] * len(units), [], [], 0, 0, output_unit, 2, 4, policy).buffers
 
 
 def test_backward_walk_unit_by_unit():
@@ -126,7 +131,7 @@ def test_backward_walk_unit_by_unit():
 def test_reduce_scatter_counts_the_unit_gathered_before_it():
     # the 12-unit's gradient and reduce-scatter input (72) with the 8-unit gathered before it (16) beat the
     # 5-unit's 30 with the 12-unit gathered (24), and the 8-unit's 48 with nothing
-    assert fsdp_buffer_bytes([8, 12, 5], 5, 2, 4, "default").reduce_scatter == 12 * 6 + 8 * 2
+    assert _backward_buffers([8, 12, 5], 5, "default") == 12 * 6 + 8 * 2
 
 
 # Peaks measured on one H200 (torch 2.11, bf16, seq 8192, local batch 2, selective 'op' AC, the loss of the whole
@@ -171,9 +176,9 @@ def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
                         "1024000")  # fmt: skip
     assert chunked.activations["loss or recompute"] == 1024 * 1024000 * 10  # one chunk: logits, fp32 copy, softmax
     # one microbatch: backward frees activations as it makes gradients, so the peak is the larger moment
-    act, buffers, walk = eager.activations, eager.buffers, eager.backward
+    act, forward_end, walk = eager.activations, eager.forward_end_buffers, eager.backward
     assert eager.moments() == {
-        "end of forward": buffers.forward_end + act["total"],
+        "end of forward": forward_end + act["total"],
         "backward": walk.total,
         "optimizer step": eager.grads,
     }
@@ -182,7 +187,7 @@ def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
     accum = _estimate(monkeypatch, "1B", 2, False, "--training.global_batch_size", "4")
     assert accum.grads_with_activations and accum.held_grads == accum.grads
     assert accum.moments() == {
-        "end of forward": buffers.forward_end + act["total"] + accum.grads,
+        "end of forward": forward_end + act["total"] + accum.grads,
         "backward": walk.total - walk.grads + accum.grads,
         "optimizer step": accum.grads,
     }

@@ -76,8 +76,7 @@ def activation_bytes(
     stream's tokens; with loss parallelism 1 / tp of the logits).
     """
     sp = tp > 1 and sequence_parallel
-    per_block = args.block_activation_bytes(act_bytes, tp, sp)
-    kept, _ = block_bytes(args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel)
+    kept, rebuilt = block_bytes(args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel)
     blocks = sum(kept)
     vocab = args.vocab_size // tp if loss_parallel or loss_chunk_tokens > 0 else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
@@ -86,7 +85,7 @@ def activation_bytes(
     loss_tokens = tokens
     if loss_chunk_tokens > 0:  # one chunk's logits, their fp32 copy and fp32 softmax (or log_softmax)
         loss_tokens, loss = min(loss_chunk_tokens, tokens), vocab * (8 + act_bytes)
-    recompute = per_block["none"] if wrapped else 0
+    recompute = max(rebuilt, default=0)
     parts = {
         "blocks": tokens * blocks,
         "final norm": tokens * args.dim * (4 + 4 + act_bytes) // (tp if sp else 1),
@@ -164,15 +163,6 @@ def gathered_numel(p) -> int:
     return n
 
 
-@dataclass
-class FsdpBuffers:
-    """Bytes of unsharded parameters and gradients FSDP holds at the moments that can make a step's peak (see the
-    module docstring)."""
-
-    forward_end: int
-    reduce_scatter: int
-
-
 def _kept_gathered(units: list[int], output_unit: int, param_bytes: int, reshard_after_forward: str) -> int:
     """Bytes of parameters that stay gathered after forward beyond the unit computing ('never'; an int N)."""
     if reshard_after_forward == "never":
@@ -191,25 +181,20 @@ def _unit_backward_buffers(units: list[int], k: int, a: int, r: int, prefetch: b
     return max(n * (a + r), 2 * n * a + after * r) + before * a
 
 
-def fsdp_buffer_bytes(
+def forward_end_buffer_bytes(
     units: list[int],
     output_unit: int,
     param_bytes: int,
-    reduce_bytes: int,
     reshard_after_forward: str,
     sharded: bool = True,
     loss_in_forward: bool = False,
-) -> FsdpBuffers:
-    """FSDP's buffers for units (gathered parameter counts in forward order); output_unit: the count of the unit that
-    holds the output projection; sharded: the units are split over more than one rank; loss_in_forward: the loss
-    in chunks runs inside the model's forward, making the output's gradient (compute dtype) there while FSDP still
-    holds the output unit's all-gather output. reduce_scatter: the largest over the units' backward."""
-    a, r = param_bytes, reduce_bytes
-    kept = _kept_gathered(units, output_unit, a, reshard_after_forward)
-    forward_end = output_unit * a * (1 + int(sharded and loss_in_forward) + int(loss_in_forward))
-    prefetch = reshard_after_forward != "never"  # 'never': every unit is gathered already
-    reducing = max(_unit_backward_buffers(units, k, a, r, prefetch) for k in range(len(units)))
-    return FsdpBuffers(forward_end=forward_end + kept, reduce_scatter=reducing + kept)
+) -> int:
+    """FSDP's buffers at the end of forward (units: gathered parameter counts in forward order; output_unit: the count
+    of the unit that holds the output projection; sharded: the units are split over more than one rank;
+    loss_in_forward: the loss in chunks runs inside the model's forward, making the output's gradient (compute
+    dtype) there while FSDP still holds the output unit's all-gather output)."""
+    gathered = output_unit * param_bytes * (1 + int(sharded and loss_in_forward) + int(loss_in_forward))
+    return gathered + _kept_gathered(units, output_unit, param_bytes, reshard_after_forward)
 
 
 @dataclass

@@ -8,7 +8,7 @@ titanlite.memory_estimate). `python -m titanlite.dry_run` is its CLI.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -33,7 +33,7 @@ class MemoryEstimate:
     params: int
     grads: int
     optimizer: int
-    buffers: me.FsdpBuffers
+    forward_end_buffers: int  # FSDP's buffers at the end of forward
     activations: dict[str, int]  # by part, with "total"
     backward: me.BackwardPeak  # the largest moment of backward
     units: list[int]  # parameter count of each fully_shard unit as gathered, in forward order
@@ -50,11 +50,11 @@ class MemoryEstimate:
     def moments(self) -> dict[str, int]:
         """Bytes on the GPU beyond the resident state at each moment that can make the step's peak (see
         titanlite.memory_estimate): FSDP's buffers, the activations then and, with accumulation, the gradients."""
-        act, b = self.activations, self.buffers
+        act = self.activations
         held = self.held_grads if self.grads_with_activations and not self.on_cpu else 0
         # With accumulation every gradient is held already: the walk's share of reduced ones is not added twice.
         walk = self.backward.total - (self.backward.grads if self.grads_with_activations or self.on_cpu else 0)
-        out = {"end of forward": b.forward_end + act["total"] + held, "backward": walk + held}
+        out = {"end of forward": self.forward_end_buffers + act["total"] + held, "backward": walk + held}
         if not self.on_cpu:  # fused AdamW on GPUs makes no temporaries beside the gradients
             out["optimizer step"] = self.grads
         return out
@@ -68,7 +68,7 @@ class MemoryEstimate:
     @property
     def fsdp_buffers(self) -> int:
         """FSDP's buffers at the step's peak."""
-        return self.buffers.forward_end if self.peak_moment == "end of forward" else self.backward.buffers
+        return self.forward_end_buffers if self.peak_moment == "end of forward" else self.backward.buffers
 
     @property
     def gpu_total(self) -> int:
@@ -95,8 +95,9 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
     )
 
 
-def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int) -> me.BackwardPeak:
-    """The largest moment of backward (memory_estimate.backward_peak) for microbatches of local_batch_size."""
+def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dict[str, int]) -> me.BackwardPeak:
+    """The largest moment of backward (memory_estimate.backward_peak) for microbatches of local_batch_size, whose
+    activations (activations_for) are act."""
     t, ac = cfg.training, cfg.activation_checkpoint
     act_bytes = dtype_bytes(t.mixed_precision_param)
     tokens = local_batch_size * t.seq_len
@@ -105,13 +106,12 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int) -> me.Ba
     kept, rebuilt = me.block_bytes(
         plan.model_args, tokens, act_bytes, est.ac_blocks, op_sac, ac.selective_op_policy, tp, sp
     )
-    final_norm = activations_for(cfg, plan, est.ac_blocks, local_batch_size)["final norm"]
     return me.backward_peak(
         est.units,
         est.unit_blocks,
         kept,
         rebuilt,
-        final_norm,
+        act["final norm"],
         est.grads,
         est.output_unit,
         act_bytes,
@@ -125,7 +125,7 @@ def largest_local_batch(cfg, plan, est: MemoryEstimate, usable_bytes: float, lim
     best = 0
     for batch in range(1, limit + 1):
         act = activations_for(cfg, plan, est.ac_blocks, batch)
-        trial = MemoryEstimate(**{**est.__dict__, "activations": act, "backward": backward_for(cfg, plan, est, batch)})
+        trial = replace(est, activations=act, backward=backward_for(cfg, plan, est, batch, act))
         if trial.gpu_total > usable_bytes:
             break
         best = batch
@@ -154,11 +154,10 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     act = activations_for(cfg, plan, built.ac_blocks, t.local_batch_size)
     rbytes = dtype_bytes(t.mixed_precision_reduce)
     sync, _ = gradient_sync_plan(gradient_sync_mode(cfg.parallelism), plan.dims, plan.grad_accum)
-    buffers = me.fsdp_buffer_bytes(
+    forward_end = me.forward_end_buffer_bytes(
         units,
         output_unit,
         pbytes,
-        rbytes,
         cfg.parallelism.fsdp_reshard_after_forward,
         sharded=sharded,
         loss_in_forward=chunked_loss_tokens(cfg, plan.dims.tp) > 0,
@@ -167,7 +166,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         params=state.params,
         grads=state.grads,
         optimizer=state.optimizer,
-        buffers=buffers,
+        forward_end_buffers=forward_end,
         activations=act,
         backward=me.BackwardPeak(0, 0, 0),
         units=units,
@@ -181,7 +180,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         ac_blocks=built.ac_blocks,
         compiled=built.compiled,
     )
-    est.backward = backward_for(cfg, plan, est, t.local_batch_size)
+    est.backward = backward_for(cfg, plan, est, t.local_batch_size, act)
     return est
 
 
