@@ -202,6 +202,11 @@ def summary(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median of the per-repetition ratios numerator / denominator (each pair timed back to back)."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators))
+
+
 def format_table(header: list[str], rows: list[list[str]]) -> str:
     """A plain fixed-width table (first column left-aligned, the others right-aligned)."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]

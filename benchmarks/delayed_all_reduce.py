@@ -95,7 +95,7 @@ def speedup(base: list[float] | None, times: list[float]) -> str:
     """Median over repetitions of base time / this mode's time (the runs of a repetition are back to back)."""
     if not base:
         return "-"
-    return f"x{common.summary([b / t for b, t in zip(base, times)])[0]:.2f}"
+    return f"x{common.median_ratio(base, times):.2f}"
 
 
 def report(world: int, opts, res: dict) -> str:

@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     for chunk in opts.chunks:
         times = res["times"][chunk]
         med, lo, hi = common.summary(times)
-        ratio = common.summary([t / b for b, t in zip(base, times)])[0]
+        ratio = common.median_ratio(times, base)
         mib = 1024**2
         rows.append(
             [

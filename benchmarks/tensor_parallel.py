@@ -92,7 +92,7 @@ def report(opts, res: dict) -> str:
     rows = []
     for m, times in res["times"].items():
         med, lo, hi = common.summary(times)
-        ratio = common.summary([t / b for b, t in zip(base, times)])[0] if base else None
+        ratio = common.median_ratio(times, base) if base else None
         rows.append(
             [MODES[m][0], f"{med * 1e3:.1f}", f"{lo * 1e3:.1f}-{hi * 1e3:.1f}", f"x{ratio:.2f}" if ratio else "-"]
         )
