@@ -249,3 +249,52 @@ def test_activation_estimate_under_tp_matches_memtracker():
     for ac_name, chunk in (("none", 0), ("none", 64), ("full", 64)):
         measured, est = run_distributed(_tp_activation_peak, 2, ac_name, chunk)[0]
         assert 0.9 < est / measured < 1.15, (ac_name, chunk, measured, est)
+
+
+def _compiled_against_eager(tmp, runs):
+    """Per run (name, argv): the losses of 3 steps and every parameter's full gradient after one more microbatch
+    pass. Compiled runs go twice over one inductor cache (cold, then warm after a dynamo reset)."""
+    import os
+
+    from titanlite.loss import loss_parallel_context, microbatch_loss
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{tmp}/inductor_cache"
+    out = {}
+    for name, argv in runs:
+        for cache in ("cold", "warm") if "--compile.enable" in argv else ("eager",):
+            torch._dynamo.reset()
+            t = make_trainer(tiny_argv(f"{tmp}/{name}_{cache}", "--training.steps", "3", *argv))
+            losses = t.train()
+            for mb in t.dataloader.next_step().microbatches:
+                with loss_parallel_context(t.loss_parallel):
+                    loss, _ = microbatch_loss(t.model, mb, t.device, t.loss_fn)
+                    loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in t.model.named_parameters()}
+            out[f"{name}_{cache}"] = (losses, grads)
+    return out
+
+
+def _assert_compiled_equals_eager(results):
+    for name, (losses, grads) in results.items():
+        ref_losses, ref_grads = results[name.rsplit("_", 1)[0] + "_eager"]
+        for step, loss in ref_losses.items():
+            assert abs(losses[step] - loss) <= 1e-5 * abs(loss), (name, step, losses[step], loss)
+        for k, g in ref_grads.items():
+            assert g.abs().max() > 0, (name, k)  # every parameter gets a gradient (the embedding's was zero)
+            assert (grads[k] - g).abs().max() <= 1e-5 * g.abs().max(), (name, k)
+
+
+@pytest.mark.slow
+def test_tp_with_compile_equals_eager_on_a_cold_and_a_warm_cache(tmp_path):
+    """torch.compile (inductor) under TP(2) and FSDP(2) x TP(2), tied Qwen3 too: the same losses and every
+    parameter's gradient as eager, with inductor's cache cold and warm (a warm cache once halved the loss)."""
+    compile_on = ("--compile.enable", "--compile.backend", "inductor")
+    batch = ("--training.global_batch_size", "4", "--training.local_batch_size", "4")
+    qwen3 = (*batch, *TP2, "--model.name", "qwen3", "--model.tie_embeddings", "--training.loss_chunk_tokens", "0")
+    two = []
+    for name, argv in (("tp2", (*batch, *TP2)), ("qwen3_tied", qwen3)):
+        two += [(name, argv), (name, (*argv, *compile_on))]
+    fsdp_tp = ("--training.global_batch_size", "4", "--training.local_batch_size", "2", *TP2)
+    four = [("fsdp2_tp2", fsdp_tp), ("fsdp2_tp2", (*fsdp_tp, *compile_on))]
+    _assert_compiled_equals_eager(run_distributed(_compiled_against_eager, 2, str(tmp_path / "two"), two)[0])
+    _assert_compiled_equals_eager(run_distributed(_compiled_against_eager, 4, str(tmp_path / "four"), four)[0])

@@ -77,3 +77,15 @@ def set_nested_element(root, path, value) -> None:
     from torch.distributed.checkpoint._traverse import set_element
 
     set_element(root, path, value)
+
+
+def resolve_async_collective(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a plain tensor when it is the AsyncCollectiveTensor wrapper that DTensor's functional
+    collectives return (private in torch), with autograd intact; otherwise `tensor` itself.
+
+    Fed to a compiled module, the wrapper loses the gradient that flows back into it (torch 2.13: the
+    embedding's gradient under tensor parallelism was zero). Any non-view op waits and unwraps it.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tensor.clone() if isinstance(tensor, AsyncCollectiveTensor) else tensor

@@ -22,15 +22,19 @@ class BuiltModel:
     num_sharded: int  # fully_shard units besides the root
 
 
-def compiled_loss(cfg: JobConfig) -> bool:
-    """Whether the training loss is torch.compile'd ([compile] with inductor): one fused kernel, not chunked."""
-    return cfg.compile.enable and cfg.compile.backend == "inductor"
+def compiled_loss(cfg: JobConfig, tp: int = 1) -> bool:
+    """Whether the training loss is torch.compile'd ([compile] with inductor): one fused kernel, not chunked.
+
+    Never under tensor parallelism: a compiled cross-entropy of vocabulary-split logits (loss parallel) is
+    wrong when inductor's cache is warm (torch 2.13), and the loss in chunks already splits over the vocabulary.
+    """
+    return cfg.compile.enable and cfg.compile.backend == "inductor" and tp == 1
 
 
 def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
     """Tokens per chunk of the output projection and loss for this run (with tensor parallelism: over each
     rank's share of the vocabulary); 0 when the loss is not chunked (a compiled loss)."""
-    return 0 if compiled_loss(cfg) else cfg.training.loss_chunk_tokens
+    return 0 if compiled_loss(cfg, tp) else cfg.training.loss_chunk_tokens
 
 
 def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> BuiltModel:

@@ -16,7 +16,7 @@ from titanlite import memory_estimate as me
 from titanlite.compat import fake_store
 from titanlite.config import gradient_sync_mode
 from titanlite.dtypes import dtype_bytes
-from titanlite.model_builder import build_model, chunked_loss_tokens
+from titanlite.model_builder import build_model, chunked_loss_tokens, compiled_loss
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelize import ac_label, compile_problem, describe, describe_ac_compile, gradient_sync_plan
 
@@ -86,7 +86,7 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
         dtype_bytes(t.mixed_precision_param),
         ac_blocks,
         ac.mode == "selective" and ac.selective_ac_option == "op",
-        compiled_loss=cfg.compile.enable and cfg.compile.backend == "inductor",
+        compiled_loss=compiled_loss(cfg, plan.dims.tp),
         op_policy=ac.selective_op_policy,
         loss_chunk_tokens=chunked_loss_tokens(cfg, plan.dims.tp),
         tp=plan.dims.tp,

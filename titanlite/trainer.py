@@ -27,7 +27,7 @@ from titanlite.flops import flops_per_token
 from titanlite.hang_watch import HangWatch
 from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss, training_loss
 from titanlite.metrics import MetricsLogger
-from titanlite.model_builder import build_model
+from titanlite.model_builder import build_model, compiled_loss
 from titanlite.models.rope_attention import describe_attention
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallelize import describe, describe_ac_compile, gradient_sync_plan, microbatch_sync
@@ -110,7 +110,7 @@ class Trainer:
             logger.info(sync_line)
 
         # With [compile] on (inductor only: the loss has no graph breaks to hide), the loss is compiled too.
-        self.loss_fn = training_loss(cfg.compile.enable and cfg.compile.backend == "inductor")
+        self.loss_fn = training_loss(compiled_loss(cfg, self.dims.tp))
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.enable_loss_parallel
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)

@@ -117,7 +117,7 @@ class Training:
         1024,
         "the output projection and the loss are computed this many tokens at a time (their gradients too), so "
         "the vocabulary-sized logits of a whole microbatch never exist (with tensor parallelism: each rank's share "
-        "of the vocabulary); 0 = all at once. Not used with a compiled loss",
+        "of the vocabulary); 0 = all at once. Not used with a compiled loss (compile with inductor, tp 1)",
         _non_negative,
         "0 or a number > 0",
     )

@@ -27,6 +27,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titanlite.compat import resolve_async_collective
+
 
 class ReplicateParallel(ParallelStyle):
     """A module whose parameters are replicated over tp and whose input and output are whole, identical on every
@@ -117,5 +119,8 @@ def parallelize_decoder(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_paral
         parallelize_module(block, tp_mesh, plan)
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp
+    # The first block gets a plain tensor, not a collective's wrapper: a compiled block would otherwise drop the
+    # embedding's gradient (compat.resolve_async_collective).
+    model.tok_embeddings.register_forward_hook(lambda mod, inputs, out: resolve_async_collective(out))
     if model.args.tie_embeddings:  # both are split over the vocabulary rows (Shard(0)): one parameter again
         model.output.weight = model.tok_embeddings.weight
