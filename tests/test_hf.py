@@ -111,6 +111,32 @@ def test_import_gives_transformers_logits(tmp_path, tied, scaling, kv_heads):
         assert (ours(x) - hf(x).logits).abs().max() < 1e-5
 
 
+def test_rope_scaling_beside_rope_parameters_as_transformers_applies_it(tmp_path):
+    """A transformers-5 config.json (rope_parameters) with a rope_scaling block added by hand, as model cards tell
+    users: transformers applies rope_scaling, and so does titanlite; when the two blocks disagree in a way
+    transformers would resolve by dropping one (here rope_parameters' rope_theta), titanlite refuses, naming both."""
+    from titanlite.config import ConfigError
+    from titanlite.models.registry import hf_args
+
+    hf_model(tmp_path)  # rope_parameters: default, theta 10000
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_theta", None)
+    config["rope_scaling"] = dict(LLAMA31_SCALING)  # llama3 scaling with no rope_theta of its own
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    ours = _titanlite_from(tmp_path)
+    assert ours.args.rope_scaling is not None and ours.args.rope_theta == 10000.0
+    x = torch.randint(0, 300, (1, 300))  # past original_max_position_embeddings = 64
+    with torch.no_grad():
+        assert (ours(x) - hf(x).logits).abs().max() < 1e-5
+
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}  # transformers: theta 10000
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="both rope_parameters and rope_scaling.*rope_theta 1000000.0 vs 10000.0"):
+        hf_args(tmp_path)
+
+
 def _titanlite_records(caplog):
     """titanlite's own log records: transformers' logger propagates to caplog in some test orders."""
     return [r for r in caplog.records if r.name.split(".")[0] == "titanlite"]

@@ -151,21 +151,60 @@ def _field(config: dict, key: str, file: str, default, ok, expected: str, prefix
     return value
 
 
-def _rope(config: dict, file: str) -> tuple[float, RopeScaling | None]:
-    """rope_theta and the llama3 RoPE scaling, from rope_parameters (transformers 5) or rope_theta and
-    rope_scaling (transformers 4)."""
+_ROPE_TYPES = ("default", "llama3")
+
+
+def _rope_block(config: dict, file: str) -> tuple[dict, str]:
+    """(the RoPE block transformers applies, its key) of a config.json that may hold rope_parameters
+    (transformers 5), rope_scaling (transformers 4, or added by hand as model cards tell users) or both.
+
+    transformers 5 takes a non-empty rope_scaling over rope_parameters, whole, with rope_theta from it or the
+    top-level rope_theta (else 10000, whatever rope_parameters says). Where that drops a setting rope_parameters
+    holds (its rope_theta, or a scaling of its own), the folder is refused: it would be lost without a word.
+    """
     expected = 'an object such as {"rope_type": "llama3", "factor": 8.0, ...}, or null'
     for key in ("rope_parameters", "rope_scaling"):
         _field(config, key, file, None, lambda v: isinstance(v, dict), expected)
+    params, scaling = config.get("rope_parameters") or {}, config.get("rope_scaling") or {}
+    if not scaling:
+        return params, "rope_parameters"
+    top_theta = config.get("rope_theta", 10000.0)
+    ours, applied = _rope_settings(params, top_theta), _rope_settings(scaling, top_theta)
+    lost = [] if "rope_theta" not in params else ["rope_theta"]
+    if ours["rope_type"] != "default":
+        lost = sorted(ours.keys() | applied.keys())
+    differ = [f"{k} {ours.get(k)!r} vs {applied.get(k)!r}" for k in lost if ours.get(k) != applied.get(k)]
+    if params and differ and applied["rope_type"] in _ROPE_TYPES:  # else refused by its type
+        raise ConfigError(
+            f"{file} holds both rope_parameters and rope_scaling, and transformers would apply rope_scaling alone "
+            f"(with rope_theta from it or the top-level rope_theta, else 10000), losing what rope_parameters says "
+            f"(rope_parameters vs what would apply: {', '.join(differ)}); put the whole RoPE setting in one of "
+            f"them (a rope_scaling block added by hand: move it into rope_parameters, keeping its rope_theta) and "
+            f"delete the other"
+        )
+    return scaling, "rope_scaling"
+
+
+def _rope_settings(block: dict, top_theta) -> dict:
+    """A RoPE block as comparable settings: its type under one name, its rope_theta as transformers resolves it."""
+    settings = {k: v for k, v in block.items() if k not in ("type", "rope_type", "rope_theta")}
+    settings["rope_type"] = block.get("rope_type", block.get("type", "default"))
+    settings["rope_theta"] = block.get("rope_theta", top_theta)
+    return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in settings.items()}
+
+
+def _rope(config: dict, file: str) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the llama3 RoPE scaling, from rope_parameters (transformers 5) or rope_theta and
+    rope_scaling (transformers 4), following transformers where a config.json holds both."""
     top_theta = _field(config, "rope_theta", file, 10000.0, _is_positive_number, _POSITIVE_NUMBER)
-    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    scaling, prefix = config.get(key) or {}, f"{key}."
+    scaling, key = _rope_block(config, file)
+    prefix = f"{key}."
     theta = float(_field(scaling, "rope_theta", file, top_theta, _is_positive_number, _POSITIVE_NUMBER, prefix))
     type_key = "rope_type" if "rope_type" in scaling else "type"
     kind = _field(scaling, type_key, file, "default", lambda v: isinstance(v, str), "a string", prefix)
     if kind == "default":
         return theta, None
-    if kind != "llama3":
+    if kind not in _ROPE_TYPES:
         raise ConfigError(
             f"{file}: {prefix}{type_key} = {kind!r}; titanlite implements 'default' and 'llama3' (Llama 3.1+)"
         )
