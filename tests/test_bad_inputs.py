@@ -35,6 +35,21 @@ def saved_run(tmp_path_factory):
     return folder
 
 
+def _live_lock(folder):
+    """Setup: a lock in {tmp}/<folder> held by a live job (this test's parent process), as a running job leaves."""
+
+    def setup(tmp):
+        import json
+        import os
+        import socket
+
+        (tmp / folder).mkdir(parents=True)
+        holder = {"host": socket.gethostname(), "pid": os.getppid(), "run_id": "", "started": "then"}
+        (tmp / folder / ".titanlite.lock").write_text(json.dumps(holder))
+
+    return setup
+
+
 def _copy_run(tmp):
     shutil.copytree(SAVED[0], tmp / "run")
 
@@ -174,6 +189,14 @@ CHECKPOINTS = [
 ]
 
 FOLDERS = [
+    Case(
+        "checkpoint-folder-of-a-running-job",  # another dump folder, the same absolute checkpoint.folder
+        "filesystem",
+        "train",
+        resume("--checkpoint.folder", "{tmp}/shared_checkpoints"),
+        ("checkpoint.folder = '{tmp}/shared_checkpoints' is in use by another titanlite job", "pid"),
+        setup=_live_lock("shared_checkpoints"),
+    ),
     Case(
         "dump-folder-is-a-file",
         "filesystem",

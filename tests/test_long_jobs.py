@@ -394,7 +394,7 @@ def test_dump_folder_lock_refuses_a_live_job_even_when_both_start_at_once(tmp_pa
     # A second job on the folder is refused, naming the first.
     (tmp_path / run_control.LOCK_NAME).write_text(json.dumps(other))
     with pytest.raises(ConfigError, match=f"in use by another titanlite job .*pid {os.getppid()}"):
-        run_control.DumpFolderLock(tmp_path).acquire()
+        run_control.FolderLock(tmp_path).acquire()
     # Both start at once: the other job writes its lock just after this one looked and saw none.
     (tmp_path / run_control.LOCK_NAME).unlink()
     real_read, looks = run_control.read_lock, []
@@ -408,7 +408,7 @@ def test_dump_folder_lock_refuses_a_live_job_even_when_both_start_at_once(tmp_pa
 
     monkeypatch.setattr(run_control, "read_lock", other_job_locks_after_the_first_look)
     with pytest.raises(ConfigError, match=f"pid {os.getppid()}"):
-        run_control.DumpFolderLock(tmp_path).acquire()
+        run_control.FolderLock(tmp_path).acquire()
     assert json.loads((tmp_path / run_control.LOCK_NAME).read_text())["pid"] == os.getppid()  # not overwritten
     monkeypatch.setattr(run_control, "read_lock", real_read)
     # A lock whose job is gone, or an unreadable one, is taken over; release removes it.
@@ -416,7 +416,7 @@ def test_dump_folder_lock_refuses_a_live_job_even_when_both_start_at_once(tmp_pa
     dead.wait()
     for text in (json.dumps({**other, "pid": dead.pid}), ""):
         (tmp_path / run_control.LOCK_NAME).write_text(text)
-        lock = run_control.DumpFolderLock(tmp_path)
+        lock = run_control.FolderLock(tmp_path)
         lock.acquire()
         assert json.loads((tmp_path / run_control.LOCK_NAME).read_text())["pid"] == os.getpid()
         lock.release()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.checkpoint.catalog import preflight
+from titanlite.checkpoint.catalog import checkpoint_folder, preflight
 from titanlite.checkpoint.hf_io import check_hf_weights
 from titanlite.checkpoint.resume import check_resume
 from titanlite.config import JobConfig
@@ -148,6 +148,15 @@ def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, i
         )
 
 
+def locked_folders(cfg: JobConfig) -> dict[str, Path]:
+    """The folders a training job locks against a second job, by the config key that names them: the dump
+    folder, and the checkpoint folder (wherever it is) when checkpointing is on."""
+    folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
+    if cfg.checkpoint.enable:
+        folders["checkpoint.folder"] = checkpoint_folder(cfg)
+    return folders
+
+
 def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None = "cpu") -> RunPlan:
     """Every check a run makes before its process group, as ConfigError; returns the plan.
 
@@ -175,7 +184,8 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     check_data(cfg, tokenizer)
     if device_type is not None:
         check_machine_holds(cfg, args, device_type)
-        if int(os.environ.get("RANK", "0")) == 0:  # rank 0 holds the lock; peers would see their own job's
-            check_lock_free(Path(cfg.job.dump_folder))  # another job on the same dump folder
+        if int(os.environ.get("RANK", "0")) == 0:  # rank 0 holds the locks; peers would see their own job's
+            for key, folder in locked_folders(cfg).items():  # another job on the same dump or checkpoint folder
+                check_lock_free(folder, key)
         check_resume(cfg, args, model_shapes(cfg, args))
     return RunPlan(dims, global_batch, grad_accum, tokenizer, args)

@@ -1,8 +1,9 @@
 """What keeps a long job safe on a shared cluster: one job per dump folder, no orphans, clean stops.
 
-- `DumpFolderLock`: `<job.dump_folder>/.titanlite.lock` (host, pid, run id, start time, a heartbeat)
-  taken by rank 0; a second job on the folder is refused, naming the first; a lock whose holder is
-  gone (dead pid on this host, or no heartbeat for `STALE_AFTER` seconds) is taken over with a warning.
+- `FolderLock`: `<folder>/.titanlite.lock` (host, pid, run id, start time, a heartbeat) taken by rank 0 on
+  the dump folder and on the checkpoint folder (wherever it is); a second job on either is refused, naming the
+  first; a lock whose holder is gone (dead pid on this host, or no heartbeat for `STALE_AFTER` seconds) is
+  taken over with a warning.
 - `LauncherWatchdog`: a thread that notices when the process's parent (torchrun) is gone and ends
   the process at once, without a checkpoint, instead of training on as an orphan.
 - `StopSignals`: SIGTERM, SIGUSR1, SIGHUP and SIGINT ask for a save at the end of the step and a clean
@@ -87,25 +88,26 @@ def _other_job(holder: dict | None) -> bool:
     return not (bool(_run_id()) and holder.get("run_id") == _run_id())
 
 
-def _in_use(folder: Path, holder: dict) -> ConfigError:
+def _in_use(folder: Path, holder: dict, key: str) -> ConfigError:
     return ConfigError(
-        f"job.dump_folder = {str(folder)!r} is in use by another titanlite job ({describe_holder(holder)}); "
-        f"wait for it to end, stop it, or choose another job.dump_folder"
+        f"{key} = {str(folder)!r} is in use by another titanlite job ({describe_holder(holder)}); "
+        f"wait for it to end, stop it, or choose another {key}"
     )
 
 
-def check_lock_free(folder: Path) -> None:
-    """ConfigError naming the job that holds the folder's lock, if one is alive (no lock is taken)."""
+def check_lock_free(folder: Path, key: str = "job.dump_folder") -> None:
+    """ConfigError naming the job that holds the folder's lock, if one is alive (no lock is taken); key: the
+    config key that named the folder."""
     holder = read_lock(folder)
     if _other_job(holder) and holder_alive(holder):
-        raise _in_use(folder, holder)
+        raise _in_use(folder, holder, key)
 
 
-class DumpFolderLock:
-    """The lock of one job on its dump folder (take it on rank 0 only)."""
+class FolderLock:
+    """The lock of one job on a folder it writes (take it on rank 0 only); key: the config key naming it."""
 
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
+    def __init__(self, folder: str | Path, key: str = "job.dump_folder"):
+        self.folder, self.key = Path(folder), key
         self.path = self.folder / LOCK_NAME
         self.held = False
 
@@ -115,7 +117,7 @@ class DumpFolderLock:
         holder = read_lock(self.folder)
         if _other_job(holder):
             if holder_alive(holder):
-                raise _in_use(self.folder, holder)
+                raise _in_use(self.folder, holder, self.key)
             logger.warning(
                 f"Taking over the lock of a titanlite job that is gone ({describe_holder(holder)}) in {self.folder}"
             )
@@ -143,7 +145,7 @@ class DumpFolderLock:
         except FileExistsError:
             holder = read_lock(self.folder)
             if holder is not None:  # written since we looked (locks are written whole, never partly)
-                raise _in_use(self.folder, holder) from None
+                raise _in_use(self.folder, holder, self.key) from None
             logger.warning(f"Replacing the unreadable lock file {self.path}")
             os.replace(written, self.path)
         except OSError:  # a filesystem without hard links
@@ -167,10 +169,10 @@ class DumpFolderLock:
 
 
 class LauncherWatchdog:
-    """Ends this process when its launcher (the parent process) is gone; beats the lock's heartbeat."""
+    """Ends this process when its launcher (the parent process) is gone; beats the locks' heartbeats."""
 
-    def __init__(self, lock: DumpFolderLock | None = None, period: float = 1.0):
-        self.parent, self.lock, self.period = os.getppid(), lock, period
+    def __init__(self, locks: list[FolderLock] = (), period: float = 1.0):
+        self.parent, self.locks, self.period = os.getppid(), list(locks), period
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="titanlite-watchdog")
 
@@ -188,8 +190,9 @@ class LauncherWatchdog:
                 )
                 logging.shutdown()
                 os._exit(1)
-            if self.lock is not None and time.monotonic() - last_beat > HEARTBEAT_EVERY:
-                self.lock.heartbeat()
+            if self.locks and time.monotonic() - last_beat > HEARTBEAT_EVERY:
+                for lock in self.locks:
+                    lock.heartbeat()
                 last_beat = time.monotonic()
 
     def stop(self) -> None:
@@ -231,18 +234,26 @@ class StopSignals:
         self.requested = True
 
 
-def guard_run(dump_folder: str, rank: int, world: int):
-    """Take the dump folder's lock (rank 0; every rank raises the ConfigError when another job holds it) and
-    start the launcher watchdog; returns (lock or None, watchdog)."""
-    lock, box = None, [None]
+def guard_run(folders: dict[str, str | Path], rank: int, world: int):
+    """Take the lock of each folder (config key -> folder) on rank 0 (every rank raises the ConfigError when
+    another job holds one; none is kept then) and start the launcher watchdog; returns (locks, watchdog)."""
+    locks, box = [], [None]
     if rank == 0:
-        lock = DumpFolderLock(dump_folder)
         try:
-            lock.acquire()
+            for key, folder in folders.items():
+                locks.append(FolderLock(folder, key))
+                locks[-1].acquire()
         except ConfigError as e:
             box[0] = str(e)
+            release_all(locks)
     if world > 1:
         dist.broadcast_object_list(box, src=0)
     if box[0]:
         raise ConfigError(box[0])
-    return lock, LauncherWatchdog(lock).start()
+    return locks, LauncherWatchdog(locks).start()
+
+
+def release_all(locks: list[FolderLock]) -> None:
+    """Release every lock this process holds."""
+    for lock in locks:
+        lock.release()

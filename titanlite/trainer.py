@@ -31,9 +31,9 @@ from titanlite.model_builder import build_model, compiled_loss
 from titanlite.models.rope_attention import describe_attention
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallelize import describe, describe_ac_compile, gradient_sync_plan, microbatch_sync
-from titanlite.plan import validate_for_world
+from titanlite.plan import locked_folders, validate_for_world
 from titanlite.profiling import Profiler
-from titanlite.run_control import guard_run
+from titanlite.run_control import guard_run, release_all
 from titanlite.summary import degenerate_run_warnings, startup_lines
 from titanlite.validate import Validator
 
@@ -69,8 +69,8 @@ class Trainer:
         warning = version_warning() if self.env.rank == 0 else None
         if warning:
             logger.warning(warning)
-        # One job per dump folder; a worker whose launcher died exits instead of training on.
-        self.lock, self.watchdog = guard_run(cfg.job.dump_folder, self.env.rank, self.env.world_size)
+        # One job per dump folder and checkpoint folder; a worker whose launcher died exits instead of training on.
+        self.locks, self.watchdog = guard_run(locked_folders(cfg), self.env.rank, self.env.world_size)
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.device = self.env.device
         self.mesh = self.dims.build_mesh(self.device.type)
@@ -234,8 +234,7 @@ class Trainer:
         finally:
             self.hang.stop()
             self.watchdog.stop()
-            if self.lock is not None:
-                self.lock.release()
+            release_all(self.locks)
             self.checkpointer.close()  # waits for an async save and restores the signal handlers
             self.metrics.close()
             if hasattr(self.dataloader, "close"):
