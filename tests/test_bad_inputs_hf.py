@@ -144,6 +144,15 @@ def reshape_gate_proj(folder):
             save_file(tensors, path, metadata={"format": "pt"})
 
 
+def drop_lm_head(folder):
+    from safetensors.torch import load_file, save_file
+
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(path)
+        if tensors.pop("lm_head.weight", None) is not None:
+            save_file(tensors, path, metadata={"format": "pt"})
+
+
 def stale_copy(folder):
     shutil.copyfile(second_shard(folder), folder / "model-old.safetensors")
 
@@ -185,6 +194,14 @@ CASES = [
          (HF_CONFIG, "rope_scaling.rope_type = 'yarn'", "'default' and 'llama3'"),
          hf(fields(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))),
+    Case("hf-tie-override-would-discard-lm-head", "hf", "generate", generate(HF, "--model.tie_embeddings", "true"),
+         ("model.tie_embeddings = true", "{tmp}/hf holds its own lm_head.weight", "leave model.tie_embeddings unset"),
+         hf()),
+    Case("hf-tie-override-would-discard-lm-head-training", "hf", "config", check_hf("--model.tie_embeddings", "true"),
+         ("model.tie_embeddings = true", "{tmp}/hf holds its own lm_head.weight"), hf()),
+    Case("hf-untie-override-without-lm-head", "hf", "config", check_hf("--model.tie_embeddings", "false"),
+         ("model.tie_embeddings = false", "{tmp}/hf has no lm_head.weight"),
+         hf(fields(tie_word_embeddings=True), drop_lm_head)),
     Case("hf-dtype-unknown", "hf", "generate", generate(HF), (HF_CONFIG, 'torch_dtype = "float17"', "bfloat16"),
          hf(fields(torch_dtype="float17"))),
     Case("hf-heads-not-a-divisor", "hf", "generate", generate(HF), (HF_CONFIG, "num_key_value_heads = 3"),

@@ -118,6 +118,17 @@ def _differing_lm_head(folder: pathlib.Path) -> str | None:
     return None
 
 
+def holds_lm_head(folder: pathlib.Path) -> bool:
+    """Whether a folder's safetensors files hold an lm_head.weight (read from their headers only)."""
+    for file in pathlib.Path(folder).glob("*.safetensors"):
+        try:
+            if LM_HEAD in _safetensors_header(file)[1]:
+                return True
+        except (OSError, ValueError):
+            continue  # the weights check names an unreadable file
+    return False
+
+
 _REQUIRED = object()
 _DTYPES = ("bfloat16", "float16", "float32", "float64")
 _POSITIVE_INT = "a positive integer"

@@ -14,7 +14,14 @@ from titanlite.errors import ConfigError
 from titanlite.models import llama3, mistral, qwen2, qwen3
 from titanlite.models.args import ModelArgs
 from titanlite.models.family import Family
-from titanlite.models.hf_config import CONFIG, architecture_of, args_from_config, mismatches, read_config
+from titanlite.models.hf_config import (
+    CONFIG,
+    architecture_of,
+    args_from_config,
+    holds_lm_head,
+    mismatches,
+    read_config,
+)
 
 HF_FLAVOR = "hf"  # the shape comes from a HuggingFace folder's config.json
 
@@ -65,6 +72,25 @@ def family_of_folder(folder) -> str:
     return family_of_config(read_config(folder), str(folder)).name
 
 
+def _check_tie_override(tie: bool | None, args: ModelArgs, folder) -> None:
+    """ConfigError when model.tie_embeddings contradicts a HF folder's weights: tying would throw away the
+    folder's own lm_head.weight, or untying would need an lm_head.weight the folder does not hold."""
+    if tie is None or tie == args.tie_embeddings:
+        return
+    if tie:
+        raise ConfigError(
+            f"model.tie_embeddings = true, but {folder} holds its own lm_head.weight (untied in its {CONFIG}): tying "
+            f"would throw that output projection away; leave model.tie_embeddings unset to take the folder's "
+            f"setting (or, if its lm_head equals the embedding, set tie_word_embeddings to true in {CONFIG})"
+        )
+    if not holds_lm_head(folder):
+        raise ConfigError(
+            f"model.tie_embeddings = false, but {folder} has no lm_head.weight: its output projection is its "
+            f"embedding (tie_word_embeddings in its {CONFIG}); leave model.tie_embeddings unset to take the "
+            f"folder's setting"
+        )
+
+
 def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=None) -> ModelArgs:
     """The arguments for a [model] config section, with the vocabulary sized for the tokenizer.
 
@@ -78,6 +104,7 @@ def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=Non
                 "set checkpoint.initial_load_path to that folder, or choose a built-in flavor"
             )
         args = hf_args(hf_folder)
+        _check_tie_override(model_cfg.tie_embeddings, args, hf_folder)
         if args.family != model_cfg.name:
             raise ConfigError(
                 f"model.name = {model_cfg.name!r}, but {hf_folder}/config.json describes a "
