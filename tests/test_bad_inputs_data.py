@@ -340,7 +340,47 @@ def chat(*extra):
 TEMPLATE = ("--data.chat_template", "{tmp}/t.jinja")
 FROM_TEMPLATE = "the chat template from data.chat_template = '{tmp}/t.jinja'"
 
+LONG_PROMPT = [
+    {"messages": [{"role": "user", "content": "why " * 30}, {"role": "assistant", "content": "because"}]}
+    for _ in range(4)
+]
+SHORT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+
 CHAT_CASES = [
+    Case(
+        "chat-seq-len-cuts-every-reply",
+        "chat",
+        "train",
+        chat(),
+        ("training.seq_len = 64 cuts 4 of the 4 conversations", "before any token the loss counts", "at most"),
+        setup=files({"c.jsonl": LONG_PROMPT}),
+    ),
+    Case(
+        "chat-a-step-counts-no-token",  # most replies cut: the first step's batch counts nothing
+        "chat",
+        "train",
+        chat("--training.local_batch_size", "1", "--data.shuffle", "false"),
+        ("step 1's global batch of 1 sequences holds no token the loss counts", "cut 4 of the 5 conversations"),
+        setup=files({"c.jsonl": [*LONG_PROMPT, SHORT]}),
+    ),
+    Case(
+        "chat-validation-counts-no-token",
+        "chat",
+        "train",
+        chat(
+            "--validation.enable",
+            "--validation.dataset",
+            "{tmp}/v.jsonl",
+            "--validation.steps",
+            "2",
+            "--training.local_batch_size",
+            "1",
+            "--data.shuffle",
+            "false",
+        ),  # fmt: skip
+        ("validation's 2 global batch(es) holds no token the loss counts", "cut 4 of the 5 conversations"),
+        setup=files({"c.jsonl": CONVERSATIONS, "v.jsonl": [*LONG_PROMPT, SHORT]}),
+    ),
     Case(
         "chat-first-record-not-a-conversation",
         "chat",

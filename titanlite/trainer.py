@@ -19,6 +19,7 @@ from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.compat import version_warning
 from titanlite.config import JobConfig, gradient_sync_mode
 from titanlite.data.build import build_loader
+from titanlite.data.counted import no_counted_tokens
 from titanlite.distributed import init_distributed, pick_device, set_seed, world_size_from_env
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import NonFiniteLossError
@@ -200,6 +201,9 @@ class Trainer:
                 self.step += 1
                 self.hang.phase(f"step {self.step}: waiting for its data")
                 data = self.dataloader.next_step()
+                if data.global_valid_tokens == 0:  # every rank sees the same global count
+                    what = f"step {self.step}'s global batch of {self.global_batch_size} sequences"
+                    raise no_counted_tokens(self.dataloader, what, cfg.training)
                 lr = self.lr_scheduler.get_last_lr()[0]
                 out = self.train_step(data.microbatches, data.global_valid_tokens)
                 self.tokens_seen += data.global_tokens  # padding is not a token trained on

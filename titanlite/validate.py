@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config import JobConfig
+from titanlite.data.counted import no_counted_tokens
 from titanlite.errors import ConfigError
 from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss
 
@@ -34,7 +35,7 @@ class Validator:
     """
 
     def __init__(self, cfg: JobConfig, loader):
-        self.cfg = cfg.validation
+        self.cfg, self.training = cfg.validation, cfg.training
         p = cfg.parallelism
         self.loss_parallel = p.tensor_parallel_degree > 1 and p.enable_loss_parallel
         self.tp = p.tensor_parallel_degree
@@ -86,6 +87,8 @@ class Validator:
             dist.all_reduce(totals)
             totals /= self.tp  # the tp ranks of a dp rank hold the same sums
         loss_sum, tokens = totals.tolist()
+        if tokens == 0:
+            raise no_counted_tokens(self.loader, f"validation's {batches} global batch(es)", self.training)
         loss = loss_sum / max(tokens, 1)
         return ValidationResult(
             loss=loss,

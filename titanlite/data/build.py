@@ -20,6 +20,7 @@ import torch.distributed as dist
 from titanlite.config import JobConfig
 from titanlite.data.builtin_corpus import cache_setting, check_writable
 from titanlite.data.chat import ChatEncoder, TemplateRejected
+from titanlite.data.counted import check_counted_after_cut
 from titanlite.data.datasets_io import BUILTIN, DatasetSpec, has_split, is_local, open_table
 from titanlite.data.encoders import TextEncoder
 from titanlite.data.loader import Prefetcher, StoreDataLoader
@@ -405,11 +406,7 @@ def build_loader(
             store = open_or_build_store(spec, encoder, stores_folder(cfg), stores_setting(cfg))
             if cfg.data.format == "chat":
                 layout = PackedLayout(store, t.seq_len, pad_id=tokenizer.eos_id, shuffle_seed=seed, pack_seed=t.seed)
-                if layout.truncated:
-                    logger.warning(
-                        f"{layout.truncated:,} conversations of {spec.key} = {spec.name!r} are longer "
-                        f"than training.seq_len + 1 = {t.seq_len + 1} tokens: each is cut to that length"
-                    )
+                check_counted_after_cut(layout, spec, t)
                 logger.info(
                     f"Packed {store.num_documents:,} conversations of {spec.name!r} into "
                     f"{layout.num_windows:,} sequences of {t.seq_len + 1} tokens"

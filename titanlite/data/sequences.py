@@ -155,6 +155,10 @@ class PackedLayout:
         cum = np.concatenate([[0], np.cumsum(in_order)])
         return cum[self.bounds[1:]] - cum[self.bounds[:-1]]
 
+    def counted_labels(self) -> int:
+        """Labels that count in the loss over all windows, after truncation."""
+        return int(self._counted.sum())
+
     def _epoch_order(self, epoch: int) -> np.ndarray:
         """The windows in epoch `epoch`'s order (shuffled per epoch with the seed); the last epoch's is kept."""
         if self._perm is None or self._perm[0] != epoch:
