@@ -115,6 +115,15 @@ def test_broken_json_beside_a_tokenizer_is_named(hf_tokenizer_dir, name, text, n
     assert str(hf_tokenizer_dir / name) in str(e.value)
 
 
+@pytest.mark.parametrize("kind", ["eos", "bos"])
+def test_a_named_special_token_the_vocabulary_lacks_is_refused(hf_tokenizer_dir, kind):
+    """tokenizer_config.json naming a BOS or EOS the vocabulary lacks: refused, not another token in its place."""
+    (hf_tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({f"{kind}_token": "<|end|>"}))
+    with pytest.raises(ConfigError, match=f"names {kind}_token = '<\\|end\\|>', which the vocabulary") as e:
+        build_tokenizer(str(hf_tokenizer_dir))
+    assert ("('<s>')" if kind == "bos" else "('</s>')") in str(e.value)  # the vocabulary's own
+
+
 def test_hf_tokenizer_round_trip(hf_tokenizer_dir):
     tok = build_tokenizer(str(hf_tokenizer_dir))
     assert isinstance(tok, HFTokenizer)

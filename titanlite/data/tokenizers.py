@@ -159,6 +159,14 @@ class HFTokenizer:
         return [i for i in ids if isinstance(i, int) and 0 <= i < self.vocab_size]
 
     def _find_special(self, kind: str, configured: str | None, candidates: tuple[str, ...]) -> int:
+        if configured and self._tok.token_to_id(configured) is None:  # never another token in its place
+            present = [t for t in candidates if self._tok.token_to_id(t) is not None]
+            raise ConfigError(
+                f"{self.path.parent / 'tokenizer_config.json'} names {kind}_token = {configured!r}, which the "
+                f"vocabulary of model.tokenizer_path = {str(self.path)!r} does not hold; name one of its tokens "
+                f"there ({', '.join(map(repr, present)) or 'it has none of ' + str(list(candidates))}), or use the "
+                f"tokenizer_config.json that came with this tokenizer.json"
+            )
         for token in ((configured,) if configured else ()) + candidates:
             token_id = self._tok.token_to_id(token)
             if token_id is not None:
