@@ -221,6 +221,9 @@ CASES = [
     Case("hf-flavor-does-not-match", "hf", "generate", generate(HF, "--model.flavor", "debugmodel"),
          ("model.flavor = 'debugmodel' does not match", "dim 256 vs hidden_size 64"), hf()),
     # model families: an architecture titanlite does not implement, settings it refuses, the wrong family
+    Case("hf-model-type-and-architectures-disagree", "hf", "config", check_hf(),
+         (HF_CONFIG, "says model_type 'qwen3' (titanlite's qwen3 family, Qwen3ForCausalLM) but architectures "
+                     "['LlamaForCausalLM']"), hf(fields(model_type="qwen3"))),
     Case("hf-architecture-unsupported", "hf", "generate", generate(HF),
          (HF_CONFIG, "model_type 'gemma' ['GemmaForCausalLM'], which titanlite does not implement",
           "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"),

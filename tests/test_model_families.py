@@ -71,6 +71,21 @@ def _titanlite_from(folder):
     return model
 
 
+def test_a_folder_without_architectures_loads_by_its_model_type(tmp_path):
+    """transformers loads a config.json without `architectures` by its model_type; titanlite does the same."""
+    hf_family_model(tmp_path, "qwen3")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    ours = _titanlite_from(tmp_path)
+    assert ours.args.family == "qwen3"
+    x = torch.randint(0, VOCAB, (1, 40))
+    with torch.no_grad():
+        assert (ours(x) - hf(x).logits).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_gives_transformers_logits_and_export_loads_back(tmp_path, family, tied):

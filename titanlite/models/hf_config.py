@@ -239,14 +239,16 @@ def _rope(config: dict, file: str) -> tuple[float, RopeScaling | None]:
     )
 
 
-def architecture_of(config: dict, source: str) -> tuple[str, list[str]]:
-    """(model_type, architectures) of a config.json; ConfigError naming the file when they are mistyped."""
+def architecture_of(config: dict, source: str) -> tuple[str, list[str] | None]:
+    """(model_type, architectures or None when config.json names none) of a config.json; ConfigError naming the
+    file when they are mistyped. Without a model_type the folder is read as Llama's (as titanlite writes none
+    other without one)."""
     file = str(pathlib.Path(source) / CONFIG)
     archs = _field(
         config,
         "architectures",
         file,
-        ["LlamaForCausalLM"],
+        None,
         lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
         'a list of class names such as ["LlamaForCausalLM"]',
     )

@@ -48,15 +48,24 @@ def tp_plan(name: str):
 
 
 def family_of_config(config: dict, source: str) -> Family:
-    """The family whose HF architecture a config.json describes; ConfigError naming the supported ones."""
+    """The family whose HF architecture a config.json describes, by its model_type as transformers loads it (and
+    its architectures, when it names them); ConfigError naming the supported ones."""
     model_type, archs = architecture_of(config, source)
-    for family in FAMILIES.values():
-        if family.hf.architecture in archs and model_type == family.hf.model_type:
+    file = pathlib.Path(source) / CONFIG
+    by_type = [f for f in FAMILIES.values() if f.hf.model_type == model_type]
+    if by_type:
+        family = by_type[0]
+        if archs is None or family.hf.architecture in archs:
             return family
+        raise ConfigError(
+            f"{file} says model_type {model_type!r} (titanlite's {family.name} family, {family.hf.architecture}) "
+            f"but architectures {archs}; the two must name one model: correct one of them"
+        )
     supported = ", ".join(f"{f.hf.architecture} (model_type {f.hf.model_type!r})" for f in FAMILIES.values())
+    named = f" {archs}" if archs else ""
     raise ConfigError(
-        f"{pathlib.Path(source) / CONFIG} describes model_type {model_type!r} {archs}, which titanlite does not "
-        f"implement; supported: {supported}"
+        f"{file} describes model_type {model_type!r}{named}, which titanlite does not implement; supported: "
+        f"{supported}"
     )
 
 
