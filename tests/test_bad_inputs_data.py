@@ -458,6 +458,38 @@ CHAT_CASES = [
         setup=template("{{ cycler.__init__.__globals__.os.system('true') }}"),
     ),
     Case(
+        "template-nested-loops-generate",  # hung `generate --chat` forever
+        "chat",
+        "generate",
+        ("--checkpoint", "none", "--chat", "--prompt", "hi", "--max-new-tokens", "1", *TEMPLATE),
+        (FROM_TEMPLATE + " was stopped", "more than 1,000,000 template blocks", "loops in it that do not end"),
+        setup=template("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"),
+    ),
+    Case(
+        "template-nested-loops-training",
+        "chat",
+        "train",
+        chat(*TEMPLATE),
+        (FROM_TEMPLATE + " was stopped on record 0", "more than 1,000,000 template blocks"),
+        setup=template("{% for a in range(99999) %}{% for m in range(99999) %}{{ '' }}{% endfor %}{% endfor %}"),
+    ),
+    Case(
+        "template-recursive-macro",
+        "chat",
+        "train",
+        chat(*TEMPLATE),
+        (FROM_TEMPLATE + " fails on record 0",),
+        setup=template("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"),
+    ),
+    Case(
+        "template-huge-output",
+        "chat",
+        "train",
+        chat(*TEMPLATE),
+        (FROM_TEMPLATE + " was stopped on record 0", "repeats a sequence to more than"),
+        setup=template("{{ 'x' * 1000000000 }}"),
+    ),
+    Case(
         "template-rejects-every-record",
         "chat",
         "train",

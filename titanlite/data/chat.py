@@ -29,6 +29,7 @@ from datetime import date
 
 from titanlite.data.datasets_io import DatasetSpec
 from titanlite.data.encoders import SkippedRecords
+from titanlite.data.template_sandbox import LimitedSandbox, RenderLimitExceeded, TemplateError
 from titanlite.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
@@ -57,15 +58,13 @@ class ChatTemplate:
     origin names where it comes from (a file, a key) in messages."""
 
     def __init__(self, source: str, bos_token: str, eos_token: str, origin: str):
-        import jinja2.sandbox  # lazy: only chat data renders templates (jinja2 comes with torch)
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: date(2024, 7, 26).strftime(fmt)  # deterministic renders
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
         try:
-            self._template = env.from_string(source)
-        except jinja2.TemplateError as e:
+            self._env, self._template = env, env.from_string(source)
+        except TemplateError as e:
             raise ConfigError(f"the chat template from {origin} does not compile: {e}") from None
         self.source, self.bos_token, self.eos_token, self.origin = source, bos_token, eos_token, origin
         self.identity = hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -74,12 +73,19 @@ class ChatTemplate:
         """The conversation as text; TemplateRejected when the template refuses it, ConfigError naming the template
         (and `where`: which record) when the template fails or the sandbox blocks what it does."""
         try:
-            return self._template.render(
+            return self._env.render_limited(
+                self._template,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
+        except RenderLimitExceeded as e:
+            raise ConfigError(
+                f"the chat template from {self.origin} was stopped{where}: {e}; a chat template renders a "
+                f"conversation in a few thousand steps, so look for loops in it that do not end (or use "
+                f"data.chat_template = 'builtin')"
+            ) from None
         except _Rejection as e:
             reason = str(e)[:200]
             raise TemplateRejected(

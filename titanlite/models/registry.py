@@ -64,8 +64,7 @@ def family_of_config(config: dict, source: str) -> Family:
     supported = ", ".join(f"{f.hf.architecture} (model_type {f.hf.model_type!r})" for f in FAMILIES.values())
     named = f" {archs}" if archs else ""
     raise ConfigError(
-        f"{file} describes model_type {model_type!r}{named}, which titanlite does not implement; supported: "
-        f"{supported}"
+        f"{file} describes model_type {model_type!r}{named}, which titanlite does not implement; supported: {supported}"
     )
 
 
