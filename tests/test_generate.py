@@ -303,3 +303,45 @@ def test_checkpoint_errors(tmp_path, trained):
     model = inference_model(load(["--model.flavor", "debugmodel"]), 258, torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"does not fit the model: 'tok_embeddings.weight' has shape \(258, 64\)"):
         load_weights(model, ckpt)
+
+
+def test_a_user_error_on_several_processes_is_one_message_and_exit_2(tmp_path):
+    """`generate --nproc 2` (titanlite's launcher) on an HF folder whose one KV head tp = 2 cannot split: the message
+    once, with a hint that fits a folder (its config.json key, the valid degrees), exit 2, no traceback; under plain
+    torchrun the message is printed once too (torchrun's own failure report and exit status follow it)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    args = ["--checkpoint", str(tmp_path / "hf"), "--prompt", "hi", "--parallelism.tensor_parallel_degree", "2"]
+    message = "does not divide the model's 1 KV heads (num_key_value_heads in " + str(tmp_path / "hf" / "config.json")
+    r = subprocess.run(
+        [sys.executable, "-m", "titanlite.generate", "--nproc", "2", *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and out.count(message) == 1 and "valid: 1" in out, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out and "or a flavor" not in out, out[-3000:]
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "titanlite.generate", *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (r.stdout + r.stderr).count(message) == 1, (r.stdout + r.stderr)[-3000:]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,15 @@ def record_failure(kind: str, message: str, rank: int) -> bool:
     if not path:
         return False
     return _write(Path(f"{path}.{rank}"), {"status": kind, "rank": rank, "message": message})
+
+
+def report_user_error(message: str, every_rank_alike: bool = False) -> None:
+    """Tell a user error (a ConfigError's message) once: to the launcher that asked (it prints the lowest rank's),
+    else on stderr; every_rank_alike: the error is the same on every rank (generate's), so without a launcher
+    only rank 0 prints it."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not record_failure("config_error", message, rank) and (rank == 0 or not every_rank_alike):
+        print(f"config error: {message}", file=sys.stderr)
 
 
 @dataclass

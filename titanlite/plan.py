@@ -114,18 +114,22 @@ def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, i
     if tp == 1:
         return
     key = f"parallelism.tensor_parallel_degree = {tp}"
+    folder = hf_folder(cfg.checkpoint.initial_load_path) if cfg.model.flavor == "hf" else None
     splits = [
-        ("query heads", args.n_heads, "model.flavor (its n_heads)"),
-        ("KV heads", args.kv_heads, "model.flavor (its n_kv_heads; KV heads are not replicated across tp ranks)"),
-        ("FFN hidden size", args.ffn_hidden_dim, "model.flavor"),
+        ("query heads", args.n_heads, "n_heads", "num_attention_heads"),
+        ("KV heads", args.kv_heads, "n_kv_heads", "num_key_value_heads"),
+        ("FFN hidden size", args.ffn_hidden_dim, "", "intermediate_size"),
     ]
-    for what, n, where in splits:
+    for what, n, flavor_field, hf_key in splits:
         if n % tp:
-            valid = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            raise ConfigError(
-                f"{key} does not divide the model's {n} {what} ({where}); valid: "
-                f"{', '.join(map(str, valid))}, or a flavor whose {what} tp divides"
-            )
+            valid = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
+            kv_note = "; KV heads are not replicated across tp ranks" if what == "KV heads" else ""
+            if folder is not None:  # the shape is the HF folder's: only another degree helps
+                where, other = f"{hf_key} in {folder / 'config.json'}{kv_note}", ""
+            else:
+                where = "model.flavor" + (f" (its {flavor_field}{kv_note})" if flavor_field else "")
+                other = f", or a flavor whose {what} tp divides"
+            raise ConfigError(f"{key} does not divide the model's {n} {what} ({where}); valid: {valid}{other}")
     if args.vocab_size % tp:
         padded = -(-args.vocab_size // tp) * tp
         raise ConfigError(

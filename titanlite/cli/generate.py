@@ -1,6 +1,6 @@
 """`python -m titanlite.generate`: sample text from a checkpoint with the weights kept sharded.
 
-    torchrun --nproc_per_node 4 -m titanlite.generate --config debug_model --checkpoint outputs/debug/checkpoint \\
+    python -m titanlite.generate --nproc 4 --config debug_model --checkpoint outputs/debug/checkpoint \\
         --prompt "The function" --max-new-tokens 100 [--temperature 0.8 --top-k 50 --seed 0] [--no-kv-cache] \\
         [--section.key value]
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from titanlite.data.chat import load_template
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.distributed import exit_process, init_distributed, pick_device, shutdown, world_size_from_env
 from titanlite.errors import ConfigError
+from titanlite.exit_status import report_user_error
 from titanlite.generation import generate_timed, inference_model, load_weights, resolve_checkpoint
 from titanlite.metrics import setup_logging
 from titanlite.models.hf_config import hf_folder, is_hf_folder
@@ -45,6 +48,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default="",
         help="a step-N DCP folder or the checkpoint root (newest step); default: "
         "<dump_folder>/<checkpoint.folder>; 'none' = untrained initial weights",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="run on this many processes of this node (torchrun through titanlite's launcher: a user error is one "
+        "message and exit status 2); 0 = this process, or the ranks torchrun started",
     )
     p.add_argument("--prompt", default="", help="text to continue (after the BOS token, for a model that has one)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
@@ -138,6 +148,22 @@ def run(argv: list[str]) -> str:
     return tokenizer.decode(new)
 
 
+def launch(nproc: int, argv: list[str]) -> int:
+    """This command on nproc local processes, through titanlite's torchrun launcher; its exit status."""
+    rest, skip = [], False
+    for a in argv:  # drop --nproc N / --nproc=N: the workers run as ranks
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    torchrun = ["--standalone", f"--nproc_per_node={nproc}", "--local-ranks-filter=0"]
+    command = [sys.executable, "-m", "titanlite.cli.launch", *torchrun, "-m", "titanlite.generate", *rest]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # torchrun's default, unannounced
+    return subprocess.run(command, env=env).returncode
+
+
 def entry() -> None:
     """`python -m titanlite.generate`: main(), then the exit (see distributed.exit_process)."""
     exit_process(main())
@@ -149,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args, _ = parse_args(argv)
+        if args.nproc < 0:
+            raise ConfigError(f"--nproc {args.nproc} is not valid; expected a whole number >= 0")
+        if args.nproc > 0 and "RANK" not in os.environ:
+            return launch(args.nproc, argv)
         completion = run(argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        report_user_error(str(e), every_rank_alike=True)  # once, not once per rank
         shutdown()
         return 2
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -1,4 +1,5 @@
-"""`python -m titanlite.cli.launch TORCHRUN_ARGS ...`: torchrun, as run_train.sh starts it, with titanlite's endings.
+"""`python -m titanlite.cli.launch TORCHRUN_ARGS ...`: torchrun, as run_train.sh starts it, with titanlite's endings
+(also for `python -m titanlite.generate --nproc N`, and usable in place of `torchrun` for any titanlite module).
 
 It runs torchrun's own entry point (`torch.distributed.run.main`) in this process; what changes is how a failed
 job ends. When a worker recorded a user error (titanlite.exit_status), its message is printed once and the exit
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 
 from titanlite.exit_status import ENV, read_outcome
 
@@ -31,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not os.environ.get(ENV):  # not from run_train.sh: a status file of its own, for this job only
+        with tempfile.TemporaryDirectory(prefix="titanlite-exit-") as folder:
+            os.environ[ENV] = os.path.join(folder, "status")
+            try:
+                return main(argv)
+            finally:
+                del os.environ[ENV]
     hide = _HideAfterUserError()
     torch_loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch")]
     for handler in {h for logger in [logging.getLogger(), *torch_loggers] for h in logger.handlers}:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 from titanlite.config import load, to_toml
 from titanlite.distributed import exit_process, shutdown
 from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError
-from titanlite.exit_status import ENV, read_outcome, record_failure
+from titanlite.exit_status import ENV, read_outcome, report_user_error
 from titanlite.metrics import setup_logging
 from titanlite.trainer import Trainer
 
@@ -23,9 +22,7 @@ def entry() -> None:
 
 def user_error(e: ConfigError) -> int:
     """Report a user error once (to run_train.sh's launcher, which prints it, or else on stderr); exit status 2."""
-    rank = int(os.environ.get("RANK", "0"))
-    if not record_failure("config_error", str(e), rank):
-        print(f"config error: {e}", file=sys.stderr)
+    report_user_error(str(e))
     shutdown()
     return 2
 
