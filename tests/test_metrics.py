@@ -416,3 +416,20 @@ def test_wandb_without_the_package_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ConfigError, match=r"metrics.enable_wandb = true needs the wandb package.*titanlite\[wandb\]"):
         validate_for_world(load(tiny_argv(tmp_path, "--metrics.enable_wandb")), 1)
+
+
+def test_wandb_that_fails_to_import_is_a_config_error_before_the_run(tmp_path, monkeypatch, capsys):
+    """wandb installed but broken (its import raises): one message at the pre-check, not an ImportError once the
+    model is built."""
+    import sys
+
+    from titanlite.cli.check_config import main
+
+    broken = tmp_path / "site" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("import wandb_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    assert main(["--world-size", "1", *tiny_argv(tmp_path / "run", "--metrics.enable_wandb")]) == 2
+    err = capsys.readouterr().err
+    assert "the installed wandb package fails to import (ModuleNotFoundError" in err and "Traceback" not in err, err

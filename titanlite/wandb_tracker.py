@@ -20,11 +20,20 @@ RUN_ID_FILE = "wandb_run_id"
 
 
 def wandb_problem(metrics_cfg) -> str | None:
-    """Why metrics.enable_wandb cannot work here (the package is missing), or None."""
-    if metrics_cfg.enable_wandb and importlib.util.find_spec("wandb") is None:
+    """Why metrics.enable_wandb cannot work here (the package is missing or fails to import), or None."""
+    if not metrics_cfg.enable_wandb:
+        return None
+    if importlib.util.find_spec("wandb") is None:
         return (
             "metrics.enable_wandb = true needs the wandb package, which is not installed: "
             "pip install 'titanlite[wandb]' (or pip install wandb), or set metrics.enable_wandb = false"
+        )
+    try:
+        importlib.import_module("wandb")  # slow, but only for a run that asks for it, and only once
+    except Exception as e:  # a broken install: ImportError, or whatever its own imports raise
+        return (
+            f"metrics.enable_wandb = true, but the installed wandb package fails to import ({type(e).__name__}: "
+            f"{str(e)[:300]}); reinstall it (pip install --force-reinstall wandb) or set metrics.enable_wandb = false"
         )
     return None
 
