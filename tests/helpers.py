@@ -5,8 +5,10 @@ Test modules import from here (and never from each other); fixtures live in conf
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -162,6 +164,66 @@ def torchrun_cmd(*args, nproc=2, module="titanlite.train"):
         module,
         *args,
     ]
+
+
+def _job_child() -> None:
+    # In the child before exec: SIGINT at its default. A test run from a background job inherits it ignored, and a
+    # shell started with a signal ignored can never trap it (run_train.sh passes Ctrl-C on to torchrun).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_job(cmd, *, env: dict, cwd=ROOT, **popen_kw) -> subprocess.Popen:
+    """Start a job (run_train.sh, torchrun) in a process group of its own with SIGINT deliverable; stop it with
+    stop_job (the `job` context manager does) so that a failing test leaves nothing running."""
+    return subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, preexec_fn=_job_child, **popen_kw)
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def stop_job(proc: subprocess.Popen) -> None:
+    """SIGKILL a job started by start_job: its process group and every descendant (run_train.sh's torchrun runs in
+    a session of its own), then reap it."""
+    victims = _descendants(proc.pid)  # before the kill: orphans leave the tree
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def job(cmd, *, env: dict, cwd=ROOT, **popen_kw):
+    """start_job as a context: the job is stopped on leaving, however the test ends."""
+    proc = start_job(cmd, env=env, cwd=cwd, **popen_kw)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None or _descendants(proc.pid):
+            stop_job(proc)
+
+
+def run_job(cmd, *, env: dict, timeout: float, cwd=ROOT, merge_output: bool = False) -> subprocess.CompletedProcess:
+    """subprocess.run for a job: output captured as text (stderr into stdout with merge_output), and on a timeout
+    or any error the whole job is stopped before the error propagates."""
+    err = subprocess.STDOUT if merge_output else subprocess.PIPE
+    with job(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+        out, errs = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, errs)
+
+
+def sigint_ignored(pid: int) -> bool:
+    """Whether process pid ignores SIGINT (its /proc status' SigIgn mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, out_dir: str) -> None:

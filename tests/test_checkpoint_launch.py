@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from helpers import (
-    ROOT,
     faults_env,
     load_everything,
     make_trainer,
     run_distributed,
+    run_job,
+    start_job,
+    stop_job,
     subprocess_env,
     tiny_argv,
     torchrun_cmd,
@@ -42,9 +44,9 @@ def _argv(tmp, *extra):
 
 
 def _torchrun(args, **popen_kw):
-    return subprocess.Popen(
+    """torchrun of these arguments, started as a job (stop_job it when done)."""
+    return start_job(
         torchrun_cmd(*args),
-        cwd=ROOT,
         env=subprocess_env(),
         stdout=popen_kw.pop("stdout", subprocess.PIPE),
         stderr=subprocess.STDOUT,
@@ -70,15 +72,7 @@ def test_elastic_restart_after_sigkill_resumes_and_matches(tmp_path):
     # begins (step-2 is the newest complete one); restart 1: rank 1 is killed at the end of step 5 (after
     # step-4 was saved); restart 2 finishes.
     env = faults_env("kill:save:4:1,kill:step:5:1", NGPU="2", MAX_RESTARTS="2", LOG_RANK="0,1")
-    p = subprocess.run(
-        ["./run_train.sh", *_argv(tmp_path / "run")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
+    p = run_job(["./run_train.sh", *_argv(tmp_path / "run")], env=env, timeout=600, merge_output=True)
     out = p.stdout
     assert p.returncode == 0, out[-4000:]
     assert out.count("fault injection: killing rank 1") == 2, out[-4000:]
@@ -132,8 +126,7 @@ def test_sigterm_to_one_worker_saves_every_rank_and_exits_zero(tmp_path):
             os.kill(workers[-1], signal.SIGTERM)  # as a scheduler would; only one rank gets it here
             rc = p.wait(timeout=300)
         finally:
-            if p.poll() is None:
-                p.kill()
+            stop_job(p)
     out = log.read_text()
     assert rc == 0, out[-4000:]
     assert "Received SIGTERM" in out
@@ -144,7 +137,8 @@ def test_sigterm_to_one_worker_saves_every_rank_and_exits_zero(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [f"step-{step}"]
     assert load_everything(folder / f"step-{step}")["train_state"]["step"] == step
     # the next launch resumes from there
-    p = _torchrun(args + ["--training.steps", str(step + 1)])
-    out, _ = p.communicate(timeout=600)
+    p = run_job(torchrun_cmd(*args, "--training.steps", str(step + 1)), env=subprocess_env(), timeout=600,
+                merge_output=True)  # fmt: skip
+    out = p.stdout
     assert p.returncode == 0, out[-4000:]
     assert f"/step-{step} (step {step})" in out and sorted(_logged_losses(out)) == [step + 1]

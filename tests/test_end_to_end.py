@@ -2,10 +2,11 @@
 
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from helpers import run_job
 
 pytestmark = pytest.mark.slow  # multi-process (gloo) or torchrun tests
 
@@ -15,9 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _run(args, env_extra=None, timeout=300, cwd=ROOT):
     # Two gloo ranks on the CPU, also where a GPU is visible (two ranks cannot share one GPU under NCCL).
     env = {**os.environ, "NGPU": "2", "HF_HUB_OFFLINE": "1", "TITANLITE_DEVICE": "cpu", **(env_extra or {})}
-    return subprocess.run(
-        [str(ROOT / "run_train.sh"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_job([str(ROOT / "run_train.sh"), *args], cwd=cwd, env=env, timeout=timeout)
 
 
 def test_run_train_debug_config(tmp_path):

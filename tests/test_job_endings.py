@@ -3,14 +3,13 @@
 written does not turn a finished run into a failed one (gloo, CPU)."""
 
 import json
-import subprocess
 import time
 
 import pytest
 
 from titanlite.exit_status import ENV, read_outcome, record_end, record_failure
 
-from helpers import ROOT, faults_env, subprocess_env, tiny_argv
+from helpers import faults_env, run_job, subprocess_env, tiny_argv
 
 
 def test_a_status_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, caplog):
@@ -34,9 +33,7 @@ def test_failures_are_read_back_lowest_rank_and_user_errors_first(tmp_path, monk
 
 def _run_train(args, env, timeout=240):
     t0 = time.time()
-    r = subprocess.run(
-        ["./run_train.sh", *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    r = run_job(["./run_train.sh", *map(str, args)], env=env, timeout=timeout)
     return r, r.stdout + r.stderr, time.time() - t0
 
 

@@ -151,3 +151,25 @@ def test_cache_path_under_compiled_blocks():
         block.compile(backend="aot_eager", fullgraph=True)
     prompt = [1, 5, 9, 200, 17]
     assert generate(compiled, prompt, 24) == reference_greedy(model, prompt, 24)
+
+
+def test_a_tiny_temperature_samples_as_its_limit_greedy():
+    """--temperature 1e-300 ended in a raw traceback (logits / T overflowed to inf - inf); it is the greedy limit."""
+    from titanlite.generation import sample_next
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(258, generator=g) * 5
+    for t in (1e-300, 1e-30, 5e-324):
+        assert sample_next(logits, t, 0, g).item() == logits.argmax().item()
+        assert sample_next(logits.bfloat16(), t, 5, g).item() == logits.bfloat16().argmax().item()
+    model = _model()
+    assert generate(model, [1, 2, 3], 8, temperature=1e-300) == generate(model, [1, 2, 3], 8, temperature=0.0)
+
+
+def test_a_tp_change_on_resume_is_listed():
+    from titanlite.checkpoint.resume import describe_changes
+    from titanlite.config import load
+
+    saved, now = load([]), load(["--parallelism.tensor_parallel_degree", "2"])
+    lines = describe_changes(saved, now, 10, 80, None, 1e-3)
+    assert lines == ["parallelism.tensor_parallel_degree: 1 -> 2: the model and optimizer are resharded"]

@@ -13,7 +13,16 @@ import pytest
 from titanlite.config import load
 from titanlite.errors import CheckpointSaveError, ConfigError
 
-from helpers import ROOT, capture_logs, ckpt_argv, make_trainer, run_distributed, run_module, subprocess_env, tiny_argv
+from helpers import (
+    capture_logs,
+    ckpt_argv,
+    make_trainer,
+    run_distributed,
+    run_job,
+    run_module,
+    subprocess_env,
+    tiny_argv,
+)
 
 
 def _full_argv(tmp, *extra):
@@ -370,14 +379,7 @@ def test_a_really_full_disk(small_disk):
         "--validation.enable",
         "false",
     )
-    r = subprocess.run(
-        ["./run_train.sh", *argv],
-        cwd=ROOT,
-        env=subprocess_env(NGPU="2", LOG_RANK="0,1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_job(["./run_train.sh", *argv], env=subprocess_env(NGPU="2", LOG_RANK="0,1"), timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "no space left on device" in out and "is where a relaunch resumes" in out, out[-3000:]
     assert not list((small_disk / "checkpoint").glob(".tmp-step-*"))  # the space is given back

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from titanlite.checkpoint.catalog import newest_usable, read_metadata, step_folders
 from titanlite.checkpoint.consolidated import check_model_fits, model_prefix, saved_shapes, unreadable
-from titanlite.checkpoint.hf_io import load_hf_weights
+from titanlite.checkpoint.hf_io import check_hf_weights, load_hf_weights
 from titanlite.checkpoint.resume import model_differences, saved_job_config, saved_model_args
 from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.config import JobConfig
@@ -71,13 +71,36 @@ def resolve_checkpoint(path: str, given: bool = True) -> Path:
     )
 
 
-def inference_model(cfg: JobConfig, vocab_size: int, device: torch.device, mesh=None) -> torch.nn.Module:
-    """The model of `cfg` on `device`, sharded over `mesh` for inference (or plain when None); weights empty."""
+def inference_model(
+    cfg: JobConfig, vocab_size: int, device: torch.device, mesh=None, checkpoint: str | Path | None = None
+) -> torch.nn.Module:
+    """The model of `cfg` on `device`, sharded over `mesh` for inference (or plain when None); weights empty.
+    checkpoint: the weights it will load, checked to fit before any memory is allocated."""
     args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
     model = build_model(cfg, args, mesh, inference=True).model
+    if checkpoint is not None:
+        check_weights_fit(model, checkpoint)
     model.to_empty(device=device)
     model.init_buffers()
     return model
+
+
+def check_weights_fit(model: torch.nn.Module, checkpoint: str | Path):
+    """ConfigError naming the first tensor of a HF folder or DCP checkpoint that does not fit the model (which may
+    still be on the meta device), and the settings the checkpoint was saved with; reads only names and shapes.
+    Returns a DCP checkpoint's metadata (None for a HF folder)."""
+    if is_hf_folder(checkpoint):
+        check_hf_weights(Path(checkpoint), model.args)
+        return None
+    path = Path(checkpoint)
+    try:
+        metadata = read_metadata(path)
+    except ValueError as e:
+        raise ConfigError(f"--checkpoint {str(path)!r} is not a readable DCP checkpoint: {e}") from None
+    shapes = {name: tuple(t.shape) for name, t in get_model_state_dict(model).items()}
+    source = f"--checkpoint {str(path)!r}"
+    check_model_fits(shapes, saved_shapes(metadata, model_prefix(metadata)), source, _saved_with(path, model.args))
+    return metadata
 
 
 def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
@@ -87,13 +110,8 @@ def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
         load_hf_weights(model, checkpoint)
         return
     path = Path(checkpoint)
-    try:
-        metadata = read_metadata(path)
-    except ValueError as e:
-        raise ConfigError(f"--checkpoint {str(path)!r} is not a readable DCP checkpoint: {e}") from None
+    metadata = check_weights_fit(model, path)
     model_sd, prefix = get_model_state_dict(model), model_prefix(metadata)
-    source = f"--checkpoint {str(path)!r}"
-    check_model_fits(model_sd, saved_shapes(metadata, prefix), source, _saved_with(path, model.args))
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -123,7 +141,10 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator:
     """One token id (shape (1,)) from 1-D logits: argmax at temperature 0, else softmax(logits / T) over the top k."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
+    # Shifted so the largest is 0, and T no smaller than the dtype's tiniest normal: a tiny T (1e-300) gives 0 and
+    # -inf (greedy, as its limit), never inf - inf = nan.
+    logits = logits.float()
+    logits = (logits - logits.max()) / max(temperature, torch.finfo(logits.dtype).tiny)
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

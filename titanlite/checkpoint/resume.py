@@ -163,6 +163,7 @@ def describe_changes(
     for section, key in (
         ("parallelism", "data_parallel_shard_degree"),
         ("parallelism", "data_parallel_replicate_degree"),
+        ("parallelism", "tensor_parallel_degree"),
     ):
         if c := changed(section, key):
             lines.append(f"{section}.{key}: {c[0]} -> {c[1]}: the model and optimizer are resharded")

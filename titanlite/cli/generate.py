@@ -101,7 +101,11 @@ def run(argv: list[str]) -> str:
         overrides = hf + overrides
     cfg = load(["--job.config_file", args.config, *overrides])
     world = world_size_from_env()
-    dims = ParallelDims.from_config(cfg.parallelism, world) if world > 1 else None
+    try:  # one process too: a degree it cannot honour is an error, not ignored
+        dims = ParallelDims.from_config(cfg.parallelism, world)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (generate runs on {world} process(es); --nproc N runs it on N)") from None
+    dims = dims if world > 1 else None
     ckpt_arg = args.checkpoint or str(checkpoint_folder(cfg))
     checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg, given=bool(args.checkpoint))
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
@@ -118,7 +122,7 @@ def run(argv: list[str]) -> str:
         logger.info(dims.describe() + ", weights gathered per block on demand")
         if tp_line := dims.describe_tp(False, False):
             logger.info(tp_line)
-    model = inference_model(cfg, tokenizer.vocab_size, device, mesh)
+    model = inference_model(cfg, tokenizer.vocab_size, device, mesh, checkpoint)
     if checkpoint is None:
         model.init_weights(cfg.training.seed)
         logger.info(f"Untrained weights (seed {cfg.training.seed})")

@@ -5,13 +5,15 @@ It runs torchrun's own entry point (`torch.distributed.run.main`) in this proces
 job ends. When a worker recorded a user error (titanlite.exit_status), its message is printed once and the exit
 status is 2, with no ChildFailedError dump and no closing-signal log lines; when a worker found the job hung,
 its report is printed and the exit status is 1; any other failure prints torchrun's failure table (which rank,
-exit code, signal) without torchrun's own traceback, and exits 1.
+exit code, signal) without torchrun's own traceback, and exits 1. A stop signal (Ctrl-C, a scheduler's SIGTERM)
+ends with status 0 when the workers saved a checkpoint after it, else with one line and 128 + the signal.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 
@@ -19,16 +21,36 @@ from titanlite.exit_status import ENV, read_outcome
 
 
 class _HideAfterUserError(logging.Filter):
-    """Drops torchrun's log lines about failed and closed workers once a worker recorded why it ended."""
+    """Drops torchrun's log lines about failed and closed workers once a worker recorded why it ended, and once
+    torchrun got a stop signal (its workers' own lines say what they did about it)."""
+
+    stopping = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or not record.name.startswith("torch.distributed.elastic"):
             return True
-        return not read_outcome(os.environ.get(ENV)).failures
+        if "death signal" in record.getMessage():
+            self.stopping = True
+        return not (self.stopping or read_outcome(os.environ.get(ENV)).failures)
+
+
+def _stopped(e) -> int:
+    """The exit status and one line for torchrun stopped by a signal: 0 when the workers saved and exited after
+    it (rank 0 recorded 'stopped'); else 128 + the signal, saying that they saved nothing."""
+    if read_outcome(os.environ.get(ENV)).status == "stopped":
+        return 0  # rank 0 already logged the step it saved
+    name = signal.Signals(e.sigval).name
+    print(
+        f"titanlite: stopped by {name}; the workers saved no checkpoint after it (it came during start-up, or "
+        f"checkpointing is off)",
+        file=sys.stderr,
+    )
+    return 128 + int(e.sigval)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with these arguments; returns the job's exit status (0, 1, or 2 for a user error)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -46,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         handler.addFilter(hide)
     try:
         torchrun(argv)
+    except SignalException as e:  # a user's or scheduler's stop: one line and its own status, no traceback
+        return _stopped(e)
     except ChildFailedError as e:
         failure = read_outcome(os.environ.get(ENV)).first_failure()
         if failure is None:
