@@ -127,9 +127,9 @@ def run_module(module: str, *args, env: dict | None = None, timeout: float = 300
     )
 
 
-def run_benchmark(script: str, *args, timeout: float = 300) -> str:
+def run_benchmark(script: str, *args, timeout: float | None = 300) -> str:
     """Run `python benchmarks/<script> args` from the checkout (its own device choice); its stdout, after
-    asserting it exited 0."""
+    asserting it exited 0. timeout None: no wall-clock limit."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     r = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],

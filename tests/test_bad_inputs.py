@@ -115,7 +115,7 @@ CONFIG = [
          "4", "--model.flavor", "tiny"), ("tensor_parallel_degree = 4 does not divide the model's 2 KV heads",
                                           "valid: 1, 2")),
     Case("tp-does-not-divide-vocab", "config", "config", ("--world-size", "4", "--parallelism.tensor_parallel_degree",
-         "4"), ("does not divide the vocabulary of 258 rows", "model.vocab_size = 260")),
+         "4"), ("does not divide the vocabulary of 258 rows", "valid: 1, 2, 3, 6, 43")),
     Case("tp-seq-len-not-a-multiple", "config", "config", ("--world-size", "2", "--parallelism.tensor_parallel_degree",
          "2", "--training.seq_len", "33"), ("training.seq_len = 33 is not a multiple of 2",
                                            "enable_sequence_parallel = false")),

@@ -30,7 +30,7 @@ from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
-from titanlite.models.hf_config import hf_folder, is_hf_folder
+from titanlite.models.hf_config import hf_folder, is_hf_folder, missing_weights_note
 from titanlite.models.kv_cache import KVCache
 from titanlite.models.registry import model_args
 
@@ -55,7 +55,7 @@ def resolve_checkpoint(path: str, given: bool = True) -> Path:
         names = ", ".join(s.name for _, s in sorted(steps.items()))
         what = f"holds step-N folders but no complete checkpoint with a model ({names})"
     elif (p / "config.json").is_file():
-        what = "has a config.json but no *.safetensors weights (a HuggingFace model folder needs both)"
+        what = missing_weights_note(p)
     elif any(p.glob("*.safetensors")):
         what = "has *.safetensors weights but no config.json (a HuggingFace model folder needs both)"
     else:

@@ -23,7 +23,7 @@ from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
-from titanlite.models.hf_config import hf_folder
+from titanlite.models.hf_config import hf_folder, missing_weights_note
 from titanlite.models.registry import model_args, model_class
 from titanlite.parallel_dims import ParallelDims
 from titanlite.parallelize import compile_problem
@@ -131,11 +131,10 @@ def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, i
                 other = f", or a flavor whose {what} tp divides"
             raise ConfigError(f"{key} does not divide the model's {n} {what} ({where}); valid: {valid}{other}")
     if args.vocab_size % tp:
-        padded = -(-args.vocab_size // tp) * tp
+        valid = ", ".join(str(d) for d in range(1, 65) if args.vocab_size % d == 0)
         raise ConfigError(
-            f"{key} does not divide the vocabulary of {args.vocab_size} rows (the embedding and output are split "
-            f"over it); pad it: model.vocab_size = {padded} (the extra rows are never a label), or a tp that "
-            f"divides {args.vocab_size}"
+            f"{key} does not divide the vocabulary of {args.vocab_size} rows (the embedding and the output "
+            f"projection are split over it, and checkpoints keep the real vocabulary); valid: {valid}"
         )
     p = cfg.parallelism
     if p.enable_sequence_parallel and not inference and cfg.training.seq_len % tp:
@@ -172,6 +171,9 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
         preflight(cfg)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     folder = hf_folder(cfg.checkpoint.initial_load_path)
+    start = Path(cfg.checkpoint.initial_load_path).expanduser()
+    if folder is None and cfg.model.flavor == "hf" and (start / "config.json").is_file():
+        raise ConfigError(f"checkpoint.initial_load_path = {str(start)!r} {missing_weights_note(start)}")
     args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
     if folder is not None:
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only

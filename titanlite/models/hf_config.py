@@ -34,6 +34,19 @@ def is_hf_folder(path: str | pathlib.Path) -> bool:
     return p.is_dir() and (p / CONFIG).is_file() and any(p.glob("*.safetensors"))
 
 
+def missing_weights_note(folder: pathlib.Path) -> str:
+    """Why a folder with a config.json is not a HuggingFace model folder titanlite reads: no *.safetensors (with
+    how to convert the pickled pytorch_model*.bin it may hold instead)."""
+    note = "has a config.json but no *.safetensors weights (a HuggingFace model folder needs both)"
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        note += (
+            f"; its *.bin / *.pt weights are pickles, which can run code when opened, so titanlite reads only "
+            f"safetensors: convert them once where you trust the files, e.g. transformers' "
+            f"AutoModelForCausalLM.from_pretrained('{folder}').save_pretrained('<new folder>')"
+        )
+    return note
+
+
 def hf_folder(initial_load_path: str) -> pathlib.Path | None:
     """checkpoint.initial_load_path when it names a HuggingFace model folder (one with *.safetensors)."""
     path = pathlib.Path(initial_load_path).expanduser() if initial_load_path else None
