@@ -112,7 +112,7 @@ def register_shape(layers: int, hidden: int, intermediate: int, head_dim: int, s
 
 
 def build_trainer(opts, dump_folder: str, **settings):
-    """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallelize
+    """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallel/
     (settings: those of trainer_config)."""
     from titanlite.trainer import Trainer
 

@@ -3,7 +3,7 @@
     python benchmarks/delayed_all_reduce.py                 # world 2 (2x1) and 4 (2x2), ~1 minute on 2 CPU cores
     python benchmarks/delayed_all_reduce.py --layers 8 --hidden 4096 --intermediate 14336 --seq-len 2048
 
-Every mode is a titanlite Trainer (config -> mesh -> parallelize -> Trainer.train_step) fed the same
+Every mode is a titanlite Trainer (config -> mesh -> parallel/ -> Trainer.train_step) fed the same
 microbatches. Inhomogeneous: replica group 0 gets batch sizes (b, r*b, b, ...) and group 1 gets
 (r*b, b, r*b, ...), so on each microbatch one replica waits for the other unless the all-reduce is
 delayed; homogeneous: every rank gets (b, r*b, b, ...). The modes run interleaved (rotated order) and

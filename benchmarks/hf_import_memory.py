@@ -39,7 +39,7 @@ def _rank(folder: str):
     from titanlite.distributed import init_distributed
     from titanlite.model_builder import build_model
     from titanlite.models.registry import hf_args
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
 
     env = init_distributed()
     cfg = load(

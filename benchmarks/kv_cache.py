@@ -23,7 +23,7 @@ def _run(opts, dtype: str):
     from titanlite.config import load
     from titanlite.distributed import init_distributed
     from titanlite.generation import generate_timed, inference_model
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
 
     cfg = load(
         [

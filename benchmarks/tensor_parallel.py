@@ -3,7 +3,7 @@
     python benchmarks/tensor_parallel.py                 # world 2, ~1 minute on 2 CPU cores
     python benchmarks/tensor_parallel.py --layers 4 --hidden 1024 --intermediate 2816 --seq-len 512 --batch 4
 
-Every mode is a titanlite Trainer (config -> mesh -> parallelize -> Trainer.train_step) fed the same global
+Every mode is a titanlite Trainer (config -> mesh -> parallel/ -> Trainer.train_step) fed the same global
 batch: FSDP(2) gives each rank half of it, TP(2) gives both ranks all of it and splits every block's matmuls.
 The modes run interleaved (rotated order) and repeated; the table gives the step time, median (min-max) over
 the repetitions, and the ratio to FSDP(2) (median over repetitions of back-to-back ratios). The collectives

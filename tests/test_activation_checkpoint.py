@@ -17,7 +17,8 @@ from titanlite.config import ConfigError, load
 from titanlite.memory_estimate import activation_bytes
 from titanlite.models.args import ModelArgs
 from titanlite.models.decoder import Transformer
-from titanlite.parallelize import apply_ac, checkpointed_blocks, compile_problem
+from titanlite.parallel.ac import apply_ac, checkpointed_blocks
+from titanlite.parallel.compile import compile_problem
 
 from helpers import compute_device, make_trainer, run_distributed, tiny_argv, train_all
 

@@ -52,7 +52,7 @@ def _sharded_samples(cfg, ckpt, mesh_shapes):
     from titanlite.data.tokenizers import build_tokenizer
     from titanlite.distributed import init_distributed
     from titanlite.generation import inference_model, load_weights
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
 
     init_distributed()
     tok = build_tokenizer("")
@@ -193,7 +193,7 @@ def _sharded_cache_and_no_cache(cfg, block_cfg, ckpt):
     import torch.distributed as dist
 
     from titanlite.distributed import init_distributed
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
 
     init_distributed()
     dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=dist.get_world_size())

@@ -167,8 +167,8 @@ def test_gradient_sync_config():
     ],
 )
 def test_gradient_sync_plan(mode, replicate, shard, accum, applied, needle):
-    from titanlite.parallel_dims import ParallelDims
-    from titanlite.parallelize import gradient_sync_plan
+    from titanlite.parallel.dims import ParallelDims
+    from titanlite.parallel.fsdp import gradient_sync_plan
 
     got, line = gradient_sync_plan(mode, ParallelDims(replicate, shard, replicate * shard), accum)
     assert got == applied

@@ -248,7 +248,7 @@ def _greedy_per_family(tmp, sharded):
 
     from titanlite.config import load
     from titanlite.generation import generate, inference_model
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
 
     mesh = None
     if sharded:

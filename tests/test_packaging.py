@@ -110,7 +110,7 @@ LAYERS = [
         "models.qwen2",
         "models.mistral",
     ),
-    ("*",),  # components: models, data, checkpoint, parallelize, metrics, ...
+    ("*",),  # components: models, data, checkpoint, parallel, metrics, ...
     ("plan",),
     ("trainer",),
     ("cli",),
@@ -209,3 +209,17 @@ def test_every_package_is_in_the_wheel():
         "titanlite.train_configs"
     }
     assert listed == found, (sorted(found - listed), sorted(listed - found))
+
+
+def test_each_parallelism_is_applied_in_its_own_module():
+    """parallel/ holds one module per kind of parallelism: only parallel/fsdp.py calls fully_shard, only the
+    family's plan (models/) and parallel/ apply tensor parallelism, and nothing outside parallel/ builds a mesh."""
+    owners = {
+        "fully_shard(": {"titanlite/parallel/fsdp.py"},
+        "parallelize_module(": {"titanlite/models/decoder_tp.py"},
+        "init_device_mesh(": {"titanlite/parallel/dims.py"},
+    }
+    for path in sorted((ROOT / "titanlite").rglob("*.py")):
+        text, rel = path.read_text(), path.relative_to(ROOT).as_posix()
+        for call, allowed in owners.items():
+            assert call not in text or rel in allowed, (rel, call)

@@ -3,7 +3,7 @@
 import pytest
 
 from titanlite.config import ConfigError, Parallelism
-from titanlite.parallel_dims import ParallelDims
+from titanlite.parallel.dims import ParallelDims
 
 from helpers import run_distributed
 

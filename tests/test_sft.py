@@ -108,7 +108,7 @@ def _sharded_block_causal(replicate):
     from titanlite.distributed import init_distributed
     from titanlite.model_builder import build_model
     from titanlite.models.llama3 import LLAMA3_FLAVORS
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
 
     env = init_distributed()
     cfg = load(["--training.mixed_precision_param", "float32", "--model.flavor", "tiny"])

@@ -24,7 +24,7 @@ def _parallelism(shard=-1, replicate=1, tp=1, sp=True, lp=True):
 
 
 def test_dims_mesh_names_and_ranks():
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
 
     d = ParallelDims.from_config(_parallelism(replicate=2, tp=2), 8)
     assert (d.dp_replicate, d.dp_shard, d.tp, d.dp_degree) == (2, 2, 2, 4)
@@ -40,7 +40,7 @@ def test_dims_mesh_names_and_ranks():
 
 def test_tp_validation_names_the_values(tmp_path):
     from titanlite.config import ConfigError, load
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
     from titanlite.plan import validate_for_world
 
     with pytest.raises(ConfigError, match="tensor_parallel_degree = 2 does not divide the world size 3; valid: 1, 3"):
@@ -150,7 +150,7 @@ def _hf_under_tp(folder, out):
     from titanlite.data.tokenizers import ByteTokenizer
     from titanlite.distributed import init_distributed
     from titanlite.generation import generate, inference_model, load_weights
-    from titanlite.parallel_dims import ParallelDims
+    from titanlite.parallel.dims import ParallelDims
 
     init_distributed()
     argv = tiny_argv(
@@ -212,7 +212,7 @@ def _tp_activation_peak(ac_name, chunk):
     from titanlite.models.decoder import Transformer
     from titanlite.models.decoder_tp import parallelize_decoder
     from titanlite.models.llama3 import LLAMA3_FLAVORS
-    from titanlite.parallelize import apply_ac
+    from titanlite.parallel.ac import apply_ac
 
     init_distributed()
     args = LLAMA3_FLAVORS["tiny"].with_overrides(vocab_size=4096, n_layers=4)

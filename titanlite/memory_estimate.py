@@ -67,7 +67,7 @@ def activation_bytes(
 ) -> dict[str, int]:
     """Peak activation bytes of one microbatch of `tokens` tokens on one rank, by part (and 'total').
 
-    wrapped: indices of the checkpointed blocks (see parallelize.checkpointed_blocks); op_sac: they
+    wrapped: indices of the checkpointed blocks (see parallel.ac.checkpointed_blocks); op_sac: they
     use selective 'op' checkpointing rather than full recomputation, keeping the outputs op_policy says
     (all_matmuls or every_second_matmul); loss_chunk_tokens: the output projection and loss run this many tokens
     at a time (0: all at once); compiled_loss: the loss is one

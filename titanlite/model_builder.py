@@ -10,8 +10,11 @@ import torch
 
 from titanlite.config import JobConfig
 from titanlite.models.registry import model_class
-from titanlite.parallel_dims import split_mesh
-from titanlite.parallelize import apply_ac, apply_compile, apply_fsdp, apply_tp
+from titanlite.parallel.ac import apply_ac
+from titanlite.parallel.compile import apply_compile
+from titanlite.parallel.dims import split_mesh
+from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel.tp import apply_tp
 
 
 @dataclass

@@ -25,8 +25,8 @@ from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
 from titanlite.models.registry import model_args, model_class
-from titanlite.parallel_dims import ParallelDims
-from titanlite.parallelize import compile_problem
+from titanlite.parallel.compile import compile_problem
+from titanlite.parallel.dims import ParallelDims
 from titanlite.run_control import check_lock_free
 from titanlite.wandb_tracker import wandb_problem
 

@@ -18,7 +18,9 @@ from titanlite.config import gradient_sync_mode
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model, chunked_loss_tokens, compiled_loss
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelize import ac_label, compile_problem, describe, describe_ac_compile, gradient_sync_plan
+from titanlite.parallel.ac import ac_label, describe_ac_compile
+from titanlite.parallel.compile import compile_problem
+from titanlite.parallel.fsdp import describe, gradient_sync_plan
 
 DEFAULT_GPU_MEM_GIB = 80.0
 # Kept free for the CUDA context, NCCL's buffers and the caching allocator's fragmentation.

@@ -31,7 +31,8 @@ from titanlite.metrics import MetricsLogger
 from titanlite.model_builder import build_model, compiled_loss
 from titanlite.models.rope_attention import describe_attention
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from titanlite.parallelize import describe, describe_ac_compile, gradient_sync_plan, microbatch_sync
+from titanlite.parallel.ac import describe_ac_compile
+from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
 from titanlite.plan import locked_folders, validate_for_world
 from titanlite.profiling import Profiler
 from titanlite.run_control import guard_run, release_all

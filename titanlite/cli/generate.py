@@ -28,7 +28,7 @@ from titanlite.generation import generate_timed, inference_model, load_weights, 
 from titanlite.metrics import setup_logging
 from titanlite.models.hf_config import hf_folder, is_hf_folder
 from titanlite.models.registry import family_of_folder, model_args
-from titanlite.parallel_dims import ParallelDims
+from titanlite.parallel.dims import ParallelDims
 from titanlite.plan import check_tensor_parallel
 
 logger = logging.getLogger("titanlite")

@@ -1,0 +1,39 @@
+"""torch.compile of the transformer blocks, and whether this machine can compile at all."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from titanlite.compat import cpp_compiler_error, has_triton
+
+
+def compile_problem(compile_cfg, device_type: str) -> str | None:
+    """Why `[compile]` cannot work on this machine for `device_type`, or None when it can (or is off)."""
+    if not compile_cfg.enable or compile_cfg.backend != "inductor":
+        return None
+    if device_type == "cpu":
+        error = cpp_compiler_error()
+        if error is not None:
+            return (
+                f"compile.enable = true with compile.backend = 'inductor' needs a C++ compiler on CPU and none "
+                f"was found ({type(error).__name__}); install g++ or set CXX, use compile.backend = 'aot_eager', "
+                f"or set compile.enable = false"
+            )
+    elif device_type == "cuda" and not has_triton():
+        return (
+            "compile.enable = true with compile.backend = 'inductor' needs triton on GPUs and it is not "
+            "installed; pip install triton, or set compile.enable = false"
+        )
+    return None
+
+
+def apply_compile(model: nn.Module, compile_cfg) -> int:
+    """torch.compile each block of `model.layers` in place (after apply_ac, before fully_shard); returns the count.
+
+    `Module.compile` keeps the module and its parameter names; identical blocks share one compiled graph.
+    """
+    if not compile_cfg.enable:
+        return 0
+    for block in model.layers:
+        block.compile(backend=compile_cfg.backend, fullgraph=True)
+    return len(model.layers)
