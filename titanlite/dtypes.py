@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from titanlite.config.sections import DTYPE_NAMES
+from titanlite.config.fields import DTYPE_NAMES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

@@ -1,15 +1,16 @@
-"""Job configuration: dataclass sections (`sections`), loaded from TOML and `--section.key value` overrides
+"""Job configuration: dataclass sections (`sections`, `parallelism`; fields declared with `fields.setting`),
+loaded from TOML and `--section.key value` overrides
 (`loader`), documented by `--help` and the reference in docs/config.md (`reference`). Imports no torch.
 
 `python -m titanlite.config [--world-size N] [overrides]` checks a configuration (titanlite.cli.check_config).
 """
 
+from titanlite.config.fields import DTYPE_NAMES
 from titanlite.config.loader import CONFIG_DIR, gradient_sync_mode, load, resolve_config_file, to_toml, validate
+from titanlite.config.parallelism import GRADIENT_SYNC, Parallelism
 from titanlite.config.reference import help_text, markdown_reference
 from titanlite.config.sections import (
     CHECKPOINT_PARTS,
-    DTYPE_NAMES,
-    GRADIENT_SYNC,
     SECTIONS,
     ActivationCheckpoint,
     Checkpoint,
@@ -21,7 +22,6 @@ from titanlite.config.sections import (
     Metrics,
     Model,
     Optimizer,
-    Parallelism,
     Profiling,
     Training,
     Validation,

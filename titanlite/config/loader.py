@@ -17,8 +17,10 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
+from titanlite.config.fields import field_type, fields_of
+from titanlite.config.parallelism import Parallelism
 from titanlite.config.reference import help_text
-from titanlite.config.sections import SECTIONS, JobConfig, Parallelism, field_type, fields_of
+from titanlite.config.sections import SECTIONS, JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models.registry import flavors
 

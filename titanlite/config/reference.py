@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from titanlite.config.sections import SECTIONS, JobConfig, field_type, fields_of
+from titanlite.config.fields import field_type, fields_of
+from titanlite.config.sections import SECTIONS, JobConfig
 
 
 def help_text() -> str:
