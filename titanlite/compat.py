@@ -89,3 +89,15 @@ def resolve_async_collective(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return tensor.clone() if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """(global index of the first row of dim 0 this rank holds, how many) of a DTensor split over dim 0 only (FSDP,
+    expert parallelism); (0, all) for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private
+
+    if not isinstance(t, DTensor):
+        return 0, t.shape[0]
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offset[0], shape[0]

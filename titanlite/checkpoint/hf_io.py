@@ -23,15 +23,17 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.safe_reading import load_metadata
-from titanlite.compat import consolidate_hf_safetensors
+from titanlite.compat import consolidate_hf_safetensors, local_rows
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import config_from_args, generation_config
 from titanlite.models.hf_names import (
     OUTPUT,
+    expert_hf_names,
     half_split_to_interleaved,
     hf_shapes,
     interleaved_to_half_split,
+    is_grouped_experts,
     rope_heads,
     stored_in_hf,
     to_hf_name,
@@ -200,17 +202,28 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     args = model.args
     check_hf_weights(folder, args)
     sd = get_model_state_dict(model)
-    dest, permuted = {}, {}
+    dest, permuted, grouped = {}, {}, {}
     for name, t in sd.items():
         if not stored_in_hf(name, args):
             continue
+        if is_grouped_experts(name):  # this rank reads only the experts it holds (whole ones, HF's [out, in])
+            first, count = local_rows(t)
+            names = expert_hf_names(name, args)[first : first + count]
+            local = t.to_local() if isinstance(t, DTensor) else t
+            dest.update({hf: torch.empty(local.shape[2], local.shape[1], dtype=t.dtype) for hf in names})
+            grouped[name] = names
+            continue
         heads = rope_heads(name, args)
-        dest[to_hf_name(name)] = t if heads is None else _column_sharded(t)
+        dest[to_hf_name(name, args)] = t if heads is None else _column_sharded(t)
         if heads is not None:
-            permuted[name] = (dest[to_hf_name(name)], heads)
+            permuted[name] = (dest[to_hf_name(name, args)], heads)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
+    for name, names in grouped.items():
+        local = sd[name].to_local() if isinstance(sd[name], DTensor) else sd[name]
+        for j, hf in enumerate(names):
+            local[j].copy_(dest[hf].T)
     for name, (loaded, heads) in permuted.items():
         target = sd[name]
         value = _permute_rows(
@@ -276,8 +289,14 @@ def save_hf_sharded(
         if not stored_in_hf(name, args):
             continue
         t = t.detach().to(dtype)
+        if is_grouped_experts(name):  # each rank writes the experts it holds, one HF tensor each
+            first, count = local_rows(t)
+            local = t.to_local() if isinstance(t, DTensor) else t
+            for j, hf in enumerate(expert_hf_names(name, args)[first : first + count]):
+                state[hf] = local[j].T.contiguous()
+            continue
         heads = rope_heads(name, args)
-        state[to_hf_name(name)] = t if heads is None else _permute_rows(t, heads, interleaved_to_half_split)
+        state[to_hf_name(name, args)] = t if heads is None else _permute_rows(t, heads, interleaved_to_half_split)
     mapping = file_mapping(args, dtype.itemsize, max_file_bytes)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sharded = out / "sharded"
@@ -321,8 +340,14 @@ def export_hf(
     }
     if not saved:
         raise ConfigError(f"--checkpoint {checkpoint} holds no model tensors")
-    try:
-        names = {to_hf_name(n): n for n in saved if stored_in_hf(n, args)}
+    try:  # HF name -> (saved name, expert or None)
+        names = {}
+        for n in saved:
+            if stored_in_hf(n, args):
+                if is_grouped_experts(n):
+                    names.update({hf: (n, e) for e, hf in enumerate(expert_hf_names(n, args))})
+                else:
+                    names[to_hf_name(n, args)] = (n, None)
     except KeyError as e:
         raise ConfigError(
             f"{checkpoint} holds a tensor that no HF architecture of titanlite has ({e.args[0]})"
@@ -331,29 +356,28 @@ def export_hf(
     mapping = file_mapping(args, itemsize, max_file_bytes)
     missing, extra = sorted(set(mapping) - set(names)), sorted(set(names) - set(mapping))
     if missing or extra:
-        what = f"missing {missing[:5]}" if missing else f"it also holds {[names[n] for n in extra[:5]]}"
+        what = f"missing {missing[:5]}" if missing else f"it also holds {[names[n][0] for n in extra[:5]]}"
         raise ConfigError(f"{checkpoint} does not hold the model its model_args.json describes: {what}")
-    for hf, shape in hf_shapes(args).items():
-        if tuple(saved[names[hf]].size) != shape:
+    for name, shape in args.parameter_shapes().items():
+        if name in saved and tuple(saved[name].size) != shape:
             raise ConfigError(
-                f"{checkpoint} does not hold the model its model_args.json describes: {names[hf]} has shape "
-                f"{tuple(saved[names[hf]].size)} in the checkpoint but {shape} by model_args.json"
+                f"{checkpoint} does not hold the model its model_args.json describes: {name} has shape "
+                f"{tuple(saved[name].size)} in the checkpoint but {shape} by model_args.json"
             )
     out.mkdir(parents=True, exist_ok=True)
     files = max(mapping.values())
     weight_map, total = {}, 0
     for index in range(1, files + 1):
         group = [hf for hf, i in mapping.items() if i == index]
-        dest = {
-            prefix + names[hf]: torch.empty(saved[names[hf]].size, dtype=saved[names[hf]].properties.dtype)
-            for hf in group
-        }
+        needed = {names[hf][0] for hf in group}  # a grouped expert weight may be read for two files
+        dest = {prefix + n: torch.empty(saved[n].size, dtype=saved[n].properties.dtype) for n in needed}
         read_in_this_process(dest, checkpoint)
         tensors = {}
         for hf in group:
-            t = dest[prefix + names[hf]]
+            name, expert = names[hf]
+            t = dest[prefix + name] if expert is None else dest[prefix + name][expert].T
             t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-            heads = rope_heads(names[hf], args)
+            heads = rope_heads(name, args)
             tensors[hf] = (interleaved_to_half_split(t, heads) if heads else t).contiguous()
         file_name = f"model-{index:05d}-of-{files:05d}.safetensors"
         st.torch.save_file(tensors, str(out / file_name), metadata={"format": "pt"})

@@ -47,6 +47,16 @@ class ModelArgs:
     tie_embeddings: bool = False
     release: str = ""  # the release of a published flavor (Llama 3, 3.1, 3.2, 3.3; Qwen3)
     attention: str = "causal"  # causal, or block_causal (attend within each document only)
+    # Mixture of Experts (models/moe.py): every block's feed-forward is n_experts SwiGLU experts of moe_hidden_dim,
+    # each token going to top_k of them; 0 experts = the dense SwiGLU of ffn_hidden_dim.
+    n_experts: int = 0
+    top_k: int = 0
+    moe_hidden_dim: int = 0
+    norm_topk_prob: bool = (
+        True  # the top-k routing weights renormalised to sum to 1 (Qwen3-MoE's flag; Mixtral: always)
+    )
+    router_aux_loss_coef: float = 0.001  # the published weight of the load-balancing loss ([moe] aux_loss_coef = -1)
+    router_init_std: float = 0.02  # the router's init; the test flavors use decisive routers (ties flip at 1e-7)
 
     @property
     def head_dim(self) -> int:
@@ -55,6 +65,11 @@ class ModelArgs:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def moe(self) -> bool:
+        """Whether the blocks' feed-forward is a Mixture of Experts."""
+        return self.n_experts > 0
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -81,15 +96,25 @@ class ModelArgs:
             shapes.update({"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
         if self.qk_norm:
             shapes.update({"attention.q_norm.weight": (self.head_dim,), "attention.k_norm.weight": (self.head_dim,)})
-        shapes.update(
-            {
-                "feed_forward.w1.weight": (ffn, d),
-                "feed_forward.w3.weight": (ffn, d),
-                "feed_forward.w2.weight": (d, ffn),
-                "attention_norm.weight": (d,),
-                "ffn_norm.weight": (d,),
-            }
-        )
+        if self.moe:  # experts as 3-D [experts, in, out] weights
+            e, h = self.n_experts, self.moe_hidden_dim
+            shapes.update(
+                {
+                    "feed_forward.router.weight": (e, d),
+                    "feed_forward.experts.w1": (e, d, h),
+                    "feed_forward.experts.w3": (e, d, h),
+                    "feed_forward.experts.w2": (e, h, d),
+                }
+            )
+        else:
+            shapes.update(
+                {
+                    "feed_forward.w1.weight": (ffn, d),
+                    "feed_forward.w3.weight": (ffn, d),
+                    "feed_forward.w2.weight": (d, ffn),
+                }
+            )
+        shapes.update({"attention_norm.weight": (d,), "ffn_norm.weight": (d,)})
         return shapes
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -105,18 +130,27 @@ class ModelArgs:
         return ("output.weight",) if self.tie_embeddings else ()
 
     def param_counts(self) -> dict[str, int]:
-        """Parameter counts: total (a tied weight once), embedding, non_embedding (the output projection in it)."""
+        """Parameter counts: total (a tied weight once), embedding, non_embedding (the output projection in it);
+        with experts also active and active_non_embedding: what one token computes with (top_k of the experts)."""
         block = sum(_numel(s) for s in self.block_shapes().values())
         embedding = self.vocab_size * self.dim
         output = self.vocab_size * self.dim
         non_embedding = self.n_layers * block + self.dim + output  # + final norm
         total = embedding + non_embedding - (output if self.tie_embeddings else 0)
-        return {"total": total, "embedding": embedding, "non_embedding": non_embedding}
+        idle = self.n_layers * (self.n_experts - self.top_k) * 3 * self.dim * self.moe_hidden_dim if self.moe else 0
+        return {
+            "total": total,
+            "embedding": embedding,
+            "non_embedding": non_embedding,
+            "active": total - idle,
+            "active_non_embedding": non_embedding - idle,
+        }
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs (forward + backward) per token at this sequence length (see titanlite/flops.py)."""
+        """Training FLOPs (forward + backward) per token at this sequence length (see titanlite/flops.py); an MoE
+        counts the parameters a token is computed with (top_k experts), not every expert."""
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return 6 * self.param_counts()["non_embedding"] + attention
+        return 6 * self.param_counts()["active_non_embedding"] + attention
 
     def block_activation_bytes(self, act_bytes: int, tp: int = 1, sequence_parallel: bool = True) -> dict[str, int]:
         """Bytes per token one block keeps for backward on one rank: 'none' (no AC), 'full' (full AC), 'op'

@@ -21,6 +21,7 @@ from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
 from titanlite.models.chunked_loss import chunked_linear_cross_entropy
 from titanlite.models.kv_cache import KVCache, LayerKV
+from titanlite.models.moe import MoE, aux_loss_sum, moe_layers, record_forward
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 
 __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "rope_table"]
@@ -76,7 +77,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        if args.moe:
+            self.feed_forward = MoE(args.dim, args.n_experts, args.top_k, args.moe_hidden_dim, args.norm_topk_prob)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: LayerKV | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask, cache)
@@ -135,6 +139,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.attention_kernel = "auto"  # block-causal kernel: auto (flex on CUDA, else SDPA), sdpa or flex
+        self.aux_loss_sum: torch.Tensor | None = None  # MoE with aux_loss: the last forward's, over its sequences
         self.register_buffer("rope", self._rope_table(), persistent=False)
 
     def _rope_table(self, device=None) -> torch.Tensor:
@@ -162,6 +167,10 @@ class Transformer(nn.Module):
             h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layers[i])
         if cache is not None:
             cache.advance(tokens.shape[1])
+        if self.args.moe and torch.is_grad_enabled():  # the step's expert loads; the aux loss for the trainer
+            layers = moe_layers(self)
+            record_forward(layers)
+            self.aux_loss_sum = aux_loss_sum(layers)
         if labels is not None:  # the summed loss, in chunks (see loss_chunk_tokens)
             return self.output(self.norm(h), labels)
         return self.output(self.norm(h))
@@ -175,6 +184,16 @@ class Transformer(nn.Module):
     def loss_chunk_tokens(self, value: int) -> None:
         self.output.chunk_tokens = value
 
+    def set_load_balance(self, mode: str) -> None:
+        """The MoE load balancing of every block: aux_loss, aux_free or none (models/moe.py)."""
+        for m in moe_layers(self):
+            m.load_balance = mode
+
+    def expert_units(self) -> list[nn.Module]:
+        """The experts of each MoE block, in block order: each its own fully_shard, on the expert mesh, before the
+        block's (parallel/fsdp.py); none for a dense model."""
+        return [m.experts for m in moe_layers(self)]
+
     def shard_groups(self) -> list[list[nn.Module]]:
         """Modules to shard together, one list per fully_shard call (the root excluded)."""
         units = [[m] for name, m in self.named_modules() if any(p(name, m) for p in self.shard_unit_predicates)]
@@ -185,6 +204,9 @@ class Transformer(nn.Module):
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (garbage after to_empty, and not in checkpoints); re-tie the output."""
         self.rope = self._rope_table(device=self.rope.device)
+        for m in moe_layers(self):  # a resumed run's expert_bias comes from its checkpoint, loaded after this
+            m.expert_bias.zero_()
+            m.tokens_per_expert.zero_()
         # to_empty from the meta device gives each module its own tensor, untying a plain (unsharded) model;
         # a sharded one keeps the tie (both modules share one DTensor parameter in one FSDP group).
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
@@ -215,10 +237,16 @@ class Transformer(nn.Module):
         if name == "output.weight":
             std = a.dim**-0.5
             return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=g)
+        if name.endswith("router.weight"):
+            return lambda t, g: nn.init.normal_(t, 0.0, a.router_init_std, generator=g)
         if name.startswith("layers."):
             layer_id = int(name.split(".")[1])
             depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-            std = depth_std if name.endswith(("wo.weight", "w2.weight", "w3.weight")) else 0.02
+            std = (
+                depth_std
+                if name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3"))
+                else 0.02
+            )
             return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -2 * std, 2 * std, generator=g)
         raise KeyError(f"no init rule for parameter {name}")
 

@@ -22,6 +22,17 @@ def no_extra_checks(config: dict, file: str) -> None:
 
 
 @dataclass(frozen=True)
+class HFExperts:
+    """How a HF Mixture-of-Experts architecture says how many experts it has and names its router and experts."""
+
+    count_keys: tuple[str, ...]  # config.json keys of the expert count, the first present one read
+    hidden_key: str  # config.json key of an expert's hidden size
+    norm_topk_key: str | None  # config.json key of the top-k renormalisation; None: always renormalised
+    router: str  # the router's HF name inside a layer ("mlp.gate.weight")
+    weights: dict[str, str]  # titanlite's grouped weight (w1, w3, w2) -> the HF name of one expert's, with {e}
+
+
+@dataclass(frozen=True)
 class HFArchitecture:
     """A HuggingFace *ForCausalLM class as titanlite reads and writes its config.json."""
 
@@ -32,6 +43,7 @@ class HFArchitecture:
     default_head_dim: int | None = None  # head_dim when config.json has none; None = hidden_size / heads
     check: Callable[[dict, str], None] = no_extra_checks  # ConfigError for settings titanlite does not implement
     export_extras: dict = field(default_factory=dict)  # config.json keys an export adds for this class
+    experts: HFExperts | None = None  # a Mixture-of-Experts architecture's expert names and keys
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,21 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
         )
     theta, rope_scaling = _rope(config, file)
     context = positive_int("max_position_embeddings", 8192)
+    moe = {}
+    if arch.experts is not None:
+        x = arch.experts
+        count_key = next((k for k in x.count_keys if config.get(k) is not None), x.count_keys[0])
+        n_experts, top_k = positive_int(count_key), positive_int("num_experts_per_tok")
+        if top_k > n_experts:
+            raise ConfigError(f"{file}: num_experts_per_tok = {top_k} is more than the {n_experts} experts")
+        coef = _field(config, "router_aux_loss_coef", file, 0.001, lambda v: _is_positive_number(v) or v == 0, ">= 0")
+        moe = dict(
+            n_experts=n_experts,
+            top_k=top_k,
+            moe_hidden_dim=positive_int(x.hidden_key),
+            norm_topk_prob=flag(x.norm_topk_key) if x.norm_topk_key else True,
+            router_aux_loss_coef=float(coef),
+        )
     return ModelArgs(
         family=family,
         dim=dim,
@@ -327,6 +342,7 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
         max_seq_len=min(context, 8192),
         context_length=context,
         tie_embeddings=flag("tie_word_embeddings"),
+        **moe,
     )
 
 
@@ -342,6 +358,9 @@ def mismatches(args: ModelArgs, hf: ModelArgs) -> list[str]:
         out.append(f"rope_theta {args.rope_theta} vs rope_theta {hf.rope_theta}")
     if args.rope_scaling != hf.rope_scaling:
         out.append(f"rope_scaling {args.rope_scaling} vs rope_scaling {hf.rope_scaling}")
+    for field in ("n_experts", "top_k", "moe_hidden_dim", "norm_topk_prob"):
+        if getattr(args, field) != getattr(hf, field):
+            out.append(f"{field} {getattr(args, field)} vs {getattr(hf, field)}")
     for field in ("qk_norm", "qkv_bias"):
         if getattr(args, field) != getattr(hf, field):
             out.append(f"{field} {getattr(args, field)} vs {getattr(hf, field)} (the architecture's)")
@@ -377,6 +396,18 @@ def config_from_args(args: ModelArgs, arch: HFArchitecture, dtype: str, bos_id: 
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         **arch.export_extras,
     }
+    if arch.experts is not None:
+        x = arch.experts
+        config.update(
+            {
+                x.count_keys[0]: args.n_experts,
+                "num_experts_per_tok": args.top_k,
+                x.hidden_key: args.moe_hidden_dim,
+                "router_aux_loss_coef": args.router_aux_loss_coef,
+            }
+        )
+        if x.norm_topk_key:
+            config[x.norm_topk_key] = args.norm_topk_prob
     # Both spellings: rope_theta + rope_scaling (transformers 4, vLLM) and rope_parameters (transformers 5).
     rope = {"rope_type": "default"}
     if args.rope_scaling is not None:

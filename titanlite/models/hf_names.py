@@ -1,6 +1,7 @@
-"""Where HuggingFace weights meet titanlite's, for every built-in family (all four use HF's Llama naming
-and layout): parameter names, and the q/k row permutation between HF's half-split RoPE layout and
-titanlite's interleaved pairs (Meta's layout).
+"""Where HuggingFace weights meet titanlite's, for every built-in family (all use HF's Llama naming and layout for
+attention and dense blocks; an MoE family names its router and experts, models/<family>/): parameter names, one HF
+tensor per expert for titanlite's grouped [experts, in, out] weights, and the q/k row permutation between HF's
+half-split RoPE layout and titanlite's interleaved pairs (Meta's layout).
 
 In titanlite a head's rows of wq/wk (and their biases) hold the rotated pairs side by side (x0, x1),
 (x2, x3), ...; HF keeps the first halves of all pairs, then the second halves. Both compute the same
@@ -11,11 +12,13 @@ head. Every other tensor is the same up to its name. A tied output projection is
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 
 from titanlite.models.args import ModelArgs
+from titanlite.models.registry import FAMILIES
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -41,25 +44,61 @@ _TOP_NAMES = {
 EMBEDDING, OUTPUT = _TOP_NAMES["tok_embeddings.weight"], _TOP_NAMES["output.weight"]
 
 
-def to_hf_name(name: str) -> str:
-    """titanlite parameter name -> HF name."""
+def _expert_names(args: ModelArgs) -> dict[str, str]:
+    """A MoE family's layer names: the router's, and each grouped expert weight's per-expert name (with {e})."""
+    experts = FAMILIES[args.family].hf.experts if args.moe else None
+    if experts is None:
+        return {}
+    names = {"feed_forward.router.weight": experts.router}
+    names.update({f"feed_forward.experts.{w}": hf for w, hf in experts.weights.items()})
+    return names
+
+
+def to_hf_name(name: str, args: ModelArgs | None = None) -> str:
+    """titanlite parameter name -> HF name (for a grouped expert weight, the per-expert name with {e} left in)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    layer_names = _LAYER_NAMES | (_expert_names(args) if args is not None else {})
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     raise KeyError(f"no HuggingFace name for parameter {name!r}")
 
 
+def is_grouped_experts(name: str) -> bool:
+    """Whether a parameter holds every expert of a layer, [experts, in, out] (HF keeps one [out, in] per expert)."""
+    return ".feed_forward.experts.w" in name
+
+
+def expert_hf_names(name: str, args: ModelArgs) -> list[str]:
+    """The HF names of the experts a grouped expert weight holds, expert 0 first."""
+    template = to_hf_name(name, args)
+    return [template.format(e=e) for e in range(args.n_experts)]
+
+
 def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor a HF checkpoint of this shape holds, with its shape (no lm_head when tied)."""
-    skipped = args.tied_copies()
-    return {to_hf_name(n): shape for n, shape in args.parameter_shapes().items() if n not in skipped}
+    """Every tensor a HF checkpoint of this shape holds, with its shape (no lm_head when tied; one tensor per
+    expert)."""
+    out = {}
+    for name, shape in args.parameter_shapes().items():
+        if name in args.tied_copies():
+            continue
+        if is_grouped_experts(name):
+            out.update({hf: (shape[2], shape[1]) for hf in expert_hf_names(name, args)})
+        else:
+            out[to_hf_name(name, args)] = shape
+    return out
 
 
 def stored_in_hf(name: str, args: ModelArgs) -> bool:
-    """Whether a HF folder stores this parameter (a tied output projection is not stored)."""
-    return name not in args.tied_copies()
+    """Whether a HF folder stores this state-dict entry (a tied output projection is not stored, nor a buffer such
+    as an MoE's routing bias)."""
+    return name not in args.tied_copies() and name in _parameter_names(args)
+
+
+@functools.lru_cache(maxsize=8)
+def _parameter_names(args: ModelArgs) -> frozenset[str]:
+    return frozenset(args.parameter_shapes())
 
 
 def rope_heads(name: str, args: ModelArgs) -> int | None:

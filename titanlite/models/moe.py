@@ -1,0 +1,240 @@
+"""The Mixture-of-Experts feed-forward of the decoder: a linear router computed in fp32, softmax, top-k (renormalised
+when the model says so), and SwiGLU experts held as 3-D weights [experts, in, out] computed with torch._grouped_mm;
+dropless (every token reaches its top_k experts, no capacity).
+
+Routing is transformers' (Qwen3-MoE and Mixtral): probabilities = softmax(router(x)), the top_k of them choose the
+experts, their values (renormalised with norm_topk_prob) weight the experts' outputs. Load balancing, set by the
+model builder from `[moe] load_balance`:
+- aux_loss: transformers' auxiliary loss E * sum_e f_e * P_e (f_e: the share of top-k slots expert e got, P_e: its
+  mean probability, both averaged over the layers), with its statistics taken per sequence, so that the loss does
+  not depend on how the global batch is split over ranks and microbatches (for one sequence it is transformers');
+- aux_free: DeepSeek-V3's per-expert bias, added to the probabilities to choose the experts (not to weight them) and
+  moved before each optimizer step against the load each expert got (update_load_balance);
+- none.
+
+With expert parallelism (parallel/ep.py) each rank holds experts / ep of the experts, and the tokens travel to their
+experts' ranks and back with all_to_all_single of uneven sizes. Under tensor parallelism (models/decoder_tp.py) each
+tp rank routes its own share of the tokens (tp_group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+LOAD_BALANCE = ("aux_loss", "aux_free", "none")
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity; the gradient is summed over the group (a weight every rank applies to its own tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The sum over the group on every rank; the gradient passes as it is (each rank holds the same copy of the loss
+    that uses the sum, so each rank's own part gets that copy's gradient once)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity; the gradient is multiplied by `scale` (see parallel/ep.py: the experts' FSDP group is not the
+    dense one)."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of uneven sizes along dim 0; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU experts: w1 and w3 [experts, dim, hidden], w2 [experts, hidden, dim]. Given tokens sorted by
+    expert and the count per expert, returns their outputs in the same order. With expert parallelism (ep > 1) the
+    weights are split over the ep ranks by expert and the tokens are exchanged with them."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.ep, self.ep_group = 1, None  # set by parallel/ep.py
+        self.grad_scale = 1.0  # set by parallel/ep.py
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep == 1:
+            return self._compute(tokens, counts)
+        return self._exchange(tokens, counts)
+
+    def _weights(self) -> list[torch.Tensor]:
+        out = []
+        for w in (self.w1, self.w3, self.w2):
+            w = w.to_local() if isinstance(w, DTensor) else w  # this rank's experts (FSDP has gathered the rest)
+            out.append(w if self.grad_scale == 1.0 else _ScaleGrad.apply(w, self.grad_scale))
+        return out
+
+    def _compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w3, w2 = self._weights()
+        ends = counts.cumsum(0).to(torch.int32)
+        tokens = tokens.to(w1.dtype)
+        hidden = F.silu(torch._grouped_mm(tokens, w1, offs=ends)) * torch._grouped_mm(tokens, w3, offs=ends)
+        return torch._grouped_mm(hidden, w2, offs=ends)
+
+    def _exchange(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, group, local = self.ep, self.ep_group, self.n_experts // self.ep
+        send = counts.view(ep, local)  # to each ep rank, per expert it holds
+        recv = torch.empty_like(send)  # from each ep rank, per expert this rank holds
+        dist.all_to_all_single(recv, send, group=group)
+        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()  # the sizes: a host sync per layer
+        got = _AllToAll.apply(tokens, recv_splits, send_splits, group)
+        # what arrived is ordered by source rank, then expert; the matmuls want it by expert
+        expert_of = torch.arange(local, device=tokens.device).repeat(ep).repeat_interleave(recv.flatten())
+        by_expert = expert_of.argsort(stable=True)
+        out = self._compute(got[by_expert], recv.sum(0))[by_expert.argsort()]
+        return _AllToAll.apply(out, send_splits, recv_splits, group)
+
+
+class MoE(nn.Module):
+    """The Mixture-of-Experts feed-forward of one block (see the module doc): x (batch, seq, dim) -> same shape."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, hidden: int, norm_topk_prob: bool):
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(n_experts, dim, hidden)
+        # aux_free's routing bias: state of the run, checkpointed with the model (zeros for the other modes)
+        self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
+        # top-k slots each expert got in this optimizer step on this rank (update_load_balance reads and clears it)
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)
+        self.load_balance = "none"  # set by the model builder
+        self.tp_group = None  # under tensor parallelism: the ranks that each route their own share of the tokens
+        self.last_counts: torch.Tensor | None = None  # this forward's slots per expert
+        self.last_sequence_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # aux_loss: (P, f) per sequence
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)
+        weight = self.router.weight
+        if self.tp_group is not None:
+            weight = _SumGradOverGroup.apply(weight, self.tp_group)
+        probs = F.linear(flat.float(), weight.float()).softmax(dim=-1)
+        choice = probs + self.expert_bias if self.load_balance == "aux_free" else probs
+        chosen = choice.topk(self.top_k, dim=-1).indices  # (tokens, top_k)
+        weights = probs.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        slots = chosen.flatten()
+        counts = torch.bincount(slots, minlength=self.n_experts)
+        self.last_counts = counts
+        if self.load_balance == "aux_loss" and torch.is_grad_enabled():
+            self.last_sequence_stats = self._sequence_stats(probs, chosen, b, s)
+        order = slots.argsort(stable=True)  # by expert
+        token = order // self.top_k
+        out = self.experts(flat[token], counts)
+        out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(flat).index_add_(0, token, out.to(flat.dtype)).view(b, s, d)
+
+    def _sequence_stats(self, probs, chosen, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, f) per sequence of this layer, each (batch, experts): the mean probability of each expert and the
+        share of top-k slots it got, over the sequence's tokens (all tp ranks' shares of them)."""
+        e = self.n_experts
+        prob_sum = probs.view(b, s, e).sum(dim=1)
+        slots = torch.zeros(b, e, device=probs.device).scatter_add_(
+            1, chosen.view(b, -1), torch.ones(b, s * self.top_k, device=probs.device)
+        )
+        sums, tokens = torch.cat([prob_sum, slots]), s
+        if self.tp_group is not None:
+            sums = _SumOverGroup.apply(sums, self.tp_group)
+            tokens = s * dist.get_world_size(self.tp_group)
+        return sums[:b] / tokens, sums[b:] / tokens
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The MoE feed-forwards of a model, in order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss_sum(layers: list[MoE]) -> torch.Tensor | None:
+    """transformers' load-balancing loss summed over this forward's sequences (aux_loss layers; None otherwise):
+    E * sum_e f_e * P_e per sequence, f and P averaged over the layers."""
+    stats = [m.last_sequence_stats for m in layers if m.last_sequence_stats is not None]
+    if not stats:
+        return None
+    prob = torch.stack([p for p, _ in stats]).mean(dim=0)
+    share = torch.stack([f for _, f in stats]).mean(dim=0)
+    return layers[0].n_experts * (share * prob).sum()
+
+
+def record_forward(layers: list[MoE]) -> None:
+    """After a forward with gradients: add its slots per expert to each layer's count for the step."""
+    for m in layers:
+        if m.last_counts is not None:
+            m.tokens_per_expert += m.last_counts
+        m.last_counts = None
+
+
+@torch.no_grad()
+def update_load_balance(layers: list[MoE], bias_rate: float, want_stats: bool) -> dict | None:
+    """Before the optimizer step: the step's slots per expert summed over every rank (each token is routed on one
+    rank), aux_free's bias moved by bias_rate against each expert's load (sign of mean - load, centred), the
+    counts cleared; with want_stats, {'max_over_mean': per layer (device tensor), ...} for the log."""
+    if not layers:
+        return None
+    counts = torch.stack([m.tokens_per_expert for m in layers])
+    for m in layers:
+        m.tokens_per_expert.zero_()
+    if bias_rate <= 0 and not want_stats:
+        return None
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    if bias_rate > 0:
+        delta = bias_rate * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
+        delta -= delta.mean(dim=1, keepdim=True)
+        for m, d in zip(layers, delta):
+            m.expert_bias += d
+    if not want_stats:
+        return None
+    return {"max_over_mean": counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)}
