@@ -109,6 +109,8 @@ LAYERS = [
         "models.qwen3",
         "models.qwen2",
         "models.mistral",
+        "models.qwen3_moe",
+        "models.mixtral",
     ),
     ("*",),  # components: models, data, checkpoint, parallel, metrics, ...
     ("plan",),
