@@ -44,6 +44,7 @@ class StepMetrics:
     memory: dict[str, float] = field(default_factory=dict)  # GiB: max_allocated/max_reserved (GPU) or rss (CPU)
     elapsed: float = 0.0  # seconds since training started
     eta: float | None = None  # seconds to the last step
+    moe: dict[str, float] | None = None  # an MoE's load balance (moe_balance.LoadBalance.report)
 
     def scalars(self) -> dict[str, float]:
         """The TensorBoard scalars of this step, by tag."""
@@ -57,6 +58,8 @@ class StepMetrics:
         if self.mfu is not None:
             out["mfu_pct"] = self.mfu
         out.update({f"memory/{k}_gib": v for k, v in self.memory.items()})
+        if self.moe:
+            out.update({f"moe/{k}": v for k, v in self.moe.items() if k != "busiest_layer"})
         return out
 
 
@@ -101,9 +104,14 @@ def format_step_line(m: StepMetrics) -> str:
         mem = f"rss: {m.memory['rss']:.2f}GiB"
     else:
         mem = f"mem: {m.memory.get('max_allocated', 0.0):.2f}/{m.memory.get('max_reserved', 0.0):.2f}GiB"
+    moe = ""
+    if m.moe:
+        moe = f"  moe: busiest {m.moe['busiest_over_mean']:.2f}x mean (layer {m.moe['busiest_layer']})"
+        if "aux_loss" in m.moe:
+            moe += f"  aux: {m.moe['aux_loss']:.4f}"
     return (
         f"step: {m.step:5d}  loss: {m.loss:8.4f}  grad_norm: {m.grad_norm:7.4f}  lr: {m.lr:.3e}  "
-        f"tps: {m.tokens_per_sec:,.0f}  tflops: {m.tflops:.3g}  mfu: {mfu}  {mem}  "
+        f"tps: {m.tokens_per_sec:,.0f}  tflops: {m.tflops:.3g}  mfu: {mfu}  {mem}{moe}  "
         f"elapsed: {format_duration(m.elapsed)}  eta: {format_duration(m.eta)}"
     )
 
@@ -216,7 +224,7 @@ class MetricsLogger:
         """Time spent on something other than training (validation): not in tokens/s."""
         self.throughput.exclude(seconds)
 
-    def collect(self, step: int, loss: float, grad_norm: float, lr: float) -> StepMetrics:
+    def collect(self, step: int, loss: float, grad_norm: float, lr: float, moe: dict | None = None) -> StepMetrics:
         """Everything the step line shows; call after the values were read from the device (synced)."""
         tps = self.throughput.rate()
         tflops = tps * self.flops_per_token / 1e12
@@ -232,6 +240,7 @@ class MetricsLogger:
             memory=memory_stats(self.device),
             elapsed=self.timer.elapsed(),
             eta=self.timer.eta(step),
+            moe=moe,
         )
 
     def log(self, m: StepMetrics) -> str:

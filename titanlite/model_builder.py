@@ -13,6 +13,7 @@ from titanlite.models.registry import model_class
 from titanlite.parallel.ac import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.dims import split_mesh
+from titanlite.parallel.ep import apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.tp import apply_tp
 
@@ -40,12 +41,13 @@ def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
     return 0 if compiled_loss(cfg, tp) else cfg.training.loss_chunk_tokens
 
 
-def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> BuiltModel:
+def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False, expert_mesh=None) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
 
-    Training applies tensor parallelism (a "tp" mesh dimension), [activation_checkpoint], [compile] and FSDP
-    with the configured reshard policy on the data-parallel sub-mesh; inference applies tensor parallelism
-    without sequence or loss parallelism and FSDP, resharding every block after its forward.
+    Training applies tensor parallelism (a "tp" mesh dimension), expert parallelism (an MoE model's experts over
+    `expert_mesh`'s "ep" ranks: ParallelDims.build_expert_mesh), [activation_checkpoint], [compile] and FSDP with the
+    configured reshard policy on the data-parallel sub-mesh (the experts on the expert mesh); inference applies
+    tensor parallelism without sequence or loss parallelism and FSDP, resharding every block after its forward.
     """
     with torch.device("meta"):
         model = model_class(cfg.model.name)(args)
@@ -58,7 +60,12 @@ def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> Built
             cfg.model.name,
             sequence_parallel=p.enable_sequence_parallel and not inference,
             loss_parallel=p.enable_loss_parallel and not inference,
+            inference=inference,
         )
+    if args.moe:
+        model.set_load_balance("none" if inference else cfg.moe.load_balance)
+        if mesh is not None:
+            apply_ep(model, expert_mesh, tp=1 if tp_mesh is None else tp_mesh.size())
     if not inference:
         model.loss_chunk_tokens = chunked_loss_tokens(cfg, 1 if tp_mesh is None else tp_mesh.size())
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
@@ -72,5 +79,6 @@ def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False) -> Built
             reduce_dtype=cfg.training.mixed_precision_reduce,
             reshard_after_forward="always" if inference else cfg.parallelism.fsdp_reshard_after_forward,
             cpu_offload=cfg.training.enable_cpu_offload and not inference,
+            expert_mesh=expert_mesh,
         )
     return BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=num_sharded)

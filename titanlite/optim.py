@@ -86,11 +86,21 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, sched_cfg, total_steps:
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """The global gradient norm over all ranks (a plain tensor); clips to max_norm when it is > 0."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    # One all-reduce: clip_grad_norm_ would reduce the partial norm once to clip and again for full_tensor().
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """The global gradient norm over all ranks (a plain tensor); clips to max_norm when it is > 0.
+
+    Gradients on different device meshes (an MoE's experts live on the expert mesh) are normed per mesh, each
+    with one all-reduce, and combined."""
+    by_mesh: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        # One all-reduce: clip_grad_norm_ would reduce the partial norm once to clip and again for full_tensor().
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for params in by_mesh.values():  # a foreach op takes one mesh's tensors at a time
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm

@@ -30,6 +30,7 @@ from titanlite.loss import counted_labels, loss_parallel_context, microbatch_los
 from titanlite.metrics import MetricsLogger
 from titanlite.model_builder import build_model, compiled_loss
 from titanlite.models.rope_attention import describe_attention
+from titanlite.moe_balance import LoadBalance
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallel.ac import describe_ac_compile
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
@@ -49,6 +50,7 @@ class StepOutput:
     loss_sum: torch.Tensor  # sum of token losses on this rank
     global_tokens: torch.Tensor | int  # valid tokens in the whole global batch
     grad_norm: torch.Tensor  # global gradient norm before clipping
+    moe: dict | None = None  # an MoE model's load balance this step (device tensors; moe_balance.LoadBalance)
 
 
 class Trainer:
@@ -76,6 +78,7 @@ class Trainer:
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.device = self.env.device
         self.mesh = self.dims.build_mesh(self.device.type)
+        self.expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.model_args.moe else None
         # Data: every dp rank reads its own sequences (the ranks build a missing token store together).
         loader_args = dict(
             dp_rank=self.dims.dp_rank(self.env.rank),  # the tp ranks of one dp rank read the same batches
@@ -92,7 +95,7 @@ class Trainer:
             for warning in degenerate_run_warnings(cfg, self.device.type, self.dataloader):
                 logger.warning(warning)
 
-        built = build_model(cfg, self.model_args, self.mesh)
+        built = build_model(cfg, self.model_args, self.mesh, expert_mesh=self.expert_mesh)
         self.model, self.num_sharded = built.model, built.num_sharded
         self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
         self.model.init_weights(cfg.training.seed)
@@ -114,6 +117,7 @@ class Trainer:
         # With [compile] on (inductor only: the loss has no graph breaks to hide), the loss is compiled too.
         self.loss_fn = training_loss(compiled_loss(cfg, self.dims.tp))
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.enable_loss_parallel
+        self.balance = LoadBalance(self.model, cfg.moe, self.model_args, self.dims, self.global_batch_size)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
@@ -165,14 +169,15 @@ class Trainer:
             last = i == len(microbatches) - 1
             with microbatch_sync(self.model, last, self.gradient_sync), loss_parallel_context(self.loss_parallel):
                 token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
-                (token_loss_sum * scale).backward()
+                (token_loss_sum * scale + self.balance.aux_term()).backward()
             loss_sum += token_loss_sum.detach()
         self.hang.phase(f"step {self.step}: gradient norm, clipping and optimizer step")
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
+        moe = self.balance.step_done()  # aux_free moves its routing bias before the optimizer step
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return StepOutput(loss_sum=loss_sum, global_tokens=global_tokens, grad_norm=grad_norm)
+        return StepOutput(loss_sum=loss_sum, global_tokens=global_tokens, grad_norm=grad_norm, moe=moe)
 
     def global_loss(self, out: StepOutput) -> float:
         """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
@@ -219,7 +224,8 @@ class Trainer:
                     self.check_finite()
                     loss = self.global_loss(out)
                     self.losses[self.step] = loss
-                    self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr))
+                    moe = self.balance.report(out.moe)
+                    self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr, moe))
                 if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
                     self.hang.phase(f"validation at step {self.step}")
                     self.validate()

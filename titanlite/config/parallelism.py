@@ -27,6 +27,14 @@ class Parallelism:
         lambda v: v >= 1,
         "a number >= 1",
     )
+    expert_parallel_degree: int = setting(
+        1,
+        "Mixture-of-Experts models: ranks each block's experts are split over (expert parallelism; tokens travel to "
+        "their experts' ranks), taken from the data-parallel shard ranks x tp; it divides the experts and "
+        "data_parallel_shard_degree x tensor_parallel_degree",
+        lambda v: v >= 1,
+        "a number >= 1",
+    )
     enable_sequence_parallel: bool = setting(
         True, "with tp > 1: norms and the residual stream split over the sequence (less activation memory)"
     )

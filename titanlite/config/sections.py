@@ -29,14 +29,15 @@ class Job:
 class Model:
     name: str = setting(
         "llama3",
-        "model family: llama3, qwen3, qwen2 or mistral (docs/model_families.md)",
+        "model family: llama3, qwen3, qwen2, mistral, qwen3_moe or mixtral (docs/model_families.md, docs/moe.md)",
         one_of(*FAMILIES),
         " or ".join(FAMILIES),
     )
     flavor: str = setting(
         "debugmodel",
         "model size: debugmodel and tiny (every family); llama3: 8B, 70B (Llama 3), 3.1-8B, 3.1-70B, 405B (3.1), "
-        "1B, 3B (3.2), 3.3-70B; qwen3: 0.6B, 1.7B, 4B, 8B, 14B, 32B; hf = the shape of the HuggingFace folder in "
+        "1B, 3B (3.2), 3.3-70B; qwen3: 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe: 30B-A3B, 235B-A22B; hf = the shape "
+        "of the HuggingFace folder in "
         "checkpoint.initial_load_path (its config.json's family must be model.name)",
     )
     tokenizer_path: str = setting(
@@ -336,6 +337,30 @@ class Compile:
     )
 
 
+LOAD_BALANCE = ("aux_loss", "aux_free", "none")
+
+
+@dataclass
+class MoE:
+    load_balance: str = setting(
+        "aux_loss",
+        "Mixture-of-Experts models: aux_loss (transformers' load-balancing loss, weighted by aux_loss_coef), "
+        "aux_free (DeepSeek-V3's per-expert routing bias, moved each step against the load its expert got) or none",
+        one_of(*LOAD_BALANCE),
+        ", ".join(LOAD_BALANCE),
+    )
+    aux_loss_coef: float = setting(
+        -1.0,
+        "aux_loss: the weight of the load-balancing loss; -1 = the model's (config.json's router_aux_loss_coef; "
+        "0.001 for Qwen3-MoE, 0.02 for Mixtral)",
+        lambda v: v == -1 or v >= 0,
+        "-1 (the model's) or a number >= 0",
+    )
+    bias_update_rate: float = setting(
+        1e-3, "aux_free: how far each optimizer step moves an expert's routing bias", positive, POSITIVE
+    )
+
+
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
@@ -345,6 +370,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: MoE = field(default_factory=MoE)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

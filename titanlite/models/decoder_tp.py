@@ -22,12 +22,14 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from titanlite.compat import resolve_async_collective
+from titanlite.models.moe import MoE
 
 
 class ReplicateParallel(ParallelStyle):
@@ -81,9 +83,29 @@ class VocabParallelOutput(ParallelStyle):
         return distribute_module(module, device_mesh, partition, gather_input, split_output)
 
 
-def parallelize_decoder(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool):
+def _moe_plan(moe: MoE, tp_mesh: DeviceMesh, seq, split: bool) -> ParallelStyle:
+    """An MoE feed-forward under tensor parallelism: its weights are not split by tp (its experts may be, by expert
+    parallelism); in training each tp rank routes its own share of the sequence (Shard(1); a whole sequence is split
+    first without sequence parallelism and gathered after), with the router's gradient and the load-balancing
+    statistics summed over the tp ranks (moe.tp_group); in generation every tp rank computes every token."""
+    part = Shard(1) if split else Replicate()
+    if split:
+        moe.tp_group = tp_mesh.get_group()
+    return PrepareModuleInputOutput(
+        input_layouts=(seq,),
+        desired_input_layouts=(part,),
+        use_local_input=True,
+        output_layouts=(part,),
+        desired_output_layouts=(seq,),
+        use_local_output=True,
+    )
+
+
+def parallelize_decoder(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool, inference: bool = False
+):
     """Apply the plan to a decoder.Transformer in place (on the meta device, before activation checkpointing,
-    compile and FSDP)."""
+    compile and FSDP). inference: generation's plan (an MoE computes every token on every tp rank)."""
     tp = tp_mesh.size()
     seq = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel if sequence_parallel else ReplicateParallel
@@ -104,15 +126,25 @@ def parallelize_decoder(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_paral
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "ffn_norm": norm(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
+        if isinstance(block.feed_forward, MoE):
+            plan["feed_forward"] = _moe_plan(block.feed_forward, tp_mesh, seq, split=not inference)
+        else:
+            plan.update(
+                {
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w3": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                }
+            )
         if sequence_parallel:  # the whole sequence for attention (x, rope, mask, cache) and the FFN
             plan["attention"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
             )
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            if not isinstance(block.feed_forward, MoE):
+                plan["feed_forward"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
         if block.attention.q_norm is not None:  # over each rank's heads (dim 2 of (batch, seq, heads, head_dim))
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -55,5 +55,5 @@ class Family:
     model: str  # "module:Class"
     hf: HFArchitecture
     # "module:function" applying tensor parallelism to the model in place: (model, tp_mesh, *, sequence_parallel,
-    # loss_parallel)
+    # loss_parallel, inference)
     tp_plan: str = "titanlite.models.decoder_tp:parallelize_decoder"

@@ -9,7 +9,8 @@ model builder from `[moe] load_balance`:
   mean probability, both averaged over the layers), with its statistics taken per sequence, so that the loss does
   not depend on how the global batch is split over ranks and microbatches (for one sequence it is transformers');
 - aux_free: DeepSeek-V3's per-expert bias, added to the probabilities to choose the experts (not to weight them) and
-  moved before each optimizer step against the load each expert got (update_load_balance);
+  moved before each optimizer step against the load each expert got (update_load_balance); the bias is part of the
+  model from then on (it chooses experts in generation too; an HF export, whose architecture has none, drops it);
 - none.
 
 With expert parallelism (parallel/ep.py) each rank holds experts / ep of the experts, and the tokens travel to their
@@ -24,8 +25,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-LOAD_BALANCE = ("aux_loss", "aux_free", "none")
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -161,8 +160,8 @@ class MoE(nn.Module):
         if self.tp_group is not None:
             weight = _SumGradOverGroup.apply(weight, self.tp_group)
         probs = F.linear(flat.float(), weight.float()).softmax(dim=-1)
-        choice = probs + self.expert_bias if self.load_balance == "aux_free" else probs
-        chosen = choice.topk(self.top_k, dim=-1).indices  # (tokens, top_k)
+        # the routing bias (zeros unless aux_free moved it) chooses the experts, also after training; it never weights
+        chosen = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices  # (tokens, top_k)
         weights = probs.gather(1, chosen)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

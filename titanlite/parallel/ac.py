@@ -13,6 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 _AC_SAVE_OPS = [
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,  # a linear with a bias (Qwen2's q/k/v)
+    torch.ops.aten._grouped_mm.default,  # an MoE's experts
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
@@ -20,7 +21,7 @@ _AC_SAVE_OPS = [
 ]
 
 
-_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._grouped_mm.default)
 
 
 def _every_second_matmul_context():

@@ -30,10 +30,12 @@ def compile_problem(compile_cfg, device_type: str) -> str | None:
 def apply_compile(model: nn.Module, compile_cfg) -> int:
     """torch.compile each block of `model.layers` in place (after apply_ac, before fully_shard); returns the count.
 
-    `Module.compile` keeps the module and its parameter names; identical blocks share one compiled graph.
+    `Module.compile` keeps the module and its parameter names; identical blocks share one compiled graph. An MoE
+    block may break its graph where the routing's counts decide sizes (the token exchange reads them on the host).
     """
     if not compile_cfg.enable:
         return 0
+    whole = not getattr(getattr(model, "args", None), "moe", False)
     for block in model.layers:
-        block.compile(backend=compile_cfg.backend, fullgraph=True)
+        block.compile(backend=compile_cfg.backend, fullgraph=whole)
     return len(model.layers)

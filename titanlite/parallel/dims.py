@@ -24,6 +24,7 @@ class ParallelDims:
     dp_shard: int
     world_size: int
     tp: int = 1
+    ep: int = 1  # expert parallelism: ranks borrowed from dp_shard x tp (MoE models)
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
@@ -51,7 +52,15 @@ class ParallelDims:
                 f"{with_tp} = {replicate * shard * tp}, but the world size is {world_size}; the product must equal "
                 f"the world size (set data_parallel_shard_degree = -1 to fill the rest)"
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp)
+        ep = getattr(parallelism, "expert_parallel_degree", 1)
+        if (shard * tp) % ep:
+            borrowed = shard * tp
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {ep} does not divide the {borrowed} ranks it is drawn from "
+                f"(data_parallel_shard_degree {shard}{with_tp}); valid: "
+                f"{', '.join(str(d) for d in _divisors(borrowed))}"
+            )
+        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, ep=ep)
 
     @property
     def dp_degree(self) -> int:
@@ -107,6 +116,28 @@ class ParallelDims:
     def build_mesh(self, device_type: str):
         """The DeviceMesh over all ranks (the process group must exist)."""
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
+
+    @property
+    def expert_fsdp(self) -> int:
+        """The ranks each expert is FSDP-sharded over inside a replica group: dp_shard x tp / ep."""
+        return self.dp_shard * self.tp // self.ep
+
+    def build_expert_mesh(self, device_type: str):
+        """The mesh of an MoE model's experts, over the same ranks (None when it would be the data-parallel one:
+        ep 1 and tp 1): ("dp_replicate",) "efsdp", "ep", from the ranks of dp_shard x tp, ep innermost (a tp group's
+        ranks route their own shares of the tokens, so they count as data-parallel ranks for the experts)."""
+        if self.ep == 1 and self.tp == 1:
+            return None
+        names = (("dp_replicate",) if self.dp_replicate > 1 else ()) + ("efsdp", "ep")
+        shape = ((self.dp_replicate,) if self.dp_replicate > 1 else ()) + (self.expert_fsdp, self.ep)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+    def describe_ep(self, n_experts: int) -> str:
+        """The start-up line about the experts' parallelism."""
+        where = f"EP={self.ep} ({n_experts // self.ep} experts per rank)" if self.ep > 1 else "no EP"
+        return f"{where}, experts FSDP-sharded over {self.expert_fsdp} rank(s)" + (
+            f" x {self.dp_replicate} replicas" if self.dp_replicate > 1 else ""
+        )
 
 
 def split_mesh(mesh):

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titanlite.dtypes import TORCH_DTYPES
+from titanlite.parallel.ep import expert_fsdp_mesh
 
 
 def reshard_after_forward_policy(value: str, num_groups: int) -> list[bool | int]:
@@ -40,18 +41,27 @@ def apply_fsdp(
     reduce_dtype: str = "float32",
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> int:
-    """Shard each group from `model.shard_groups()` and then the root; returns the number of groups."""
+    """Shard each MoE block's experts (`model.expert_units()`, on expert_mesh: parallel/ep.py), each group from
+    `model.shard_groups()`, and then the root; returns the number of fully_shard units besides the root."""
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype])
     # Pinned host memory needs an accelerator; on a CPU-only mesh offloading is a no-op anyway.
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
     groups = model.shard_groups()
     policy = reshard_after_forward_policy(reshard_after_forward, len(groups))
+    experts = model.expert_units() if hasattr(model, "expert_units") else []
+    for unit in experts:  # before its block's fully_shard, which then leaves the experts' parameters to it
+        reshard = next(r for modules, r in zip(groups, policy) if any(unit in m.modules() for m in modules))
+        fully_shard(
+            unit, mesh=expert_fsdp_mesh(expert_mesh, mesh), mp_policy=mp, offload_policy=offload,
+            reshard_after_forward=reshard,
+        )  # fmt: skip
     for modules, reshard in zip(groups, policy):
         target = modules[0] if len(modules) == 1 else modules
         fully_shard(target, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=policy[-1])
-    return len(groups)
+    return len(groups) + len(experts)
 
 
 def describe(num_groups: int, mesh: DeviceMesh, dims, parallelism=None) -> list[str]:
