@@ -4,7 +4,8 @@ Convention (TorchTitan's, with one stated difference for tied embeddings):
 
     flops_per_token = 6 * N + 12 * n_layers * n_heads * head_dim * seq_len
 
-N counts every parameter except the token-embedding table (a lookup, not a matmul); the output
+N counts every parameter except the token-embedding table (a lookup, not a matmul); of a Mixture of Experts only
+the active ones, the top_k experts a token is computed with (not every expert: TorchTitan #4300); the output
 projection is counted, also when it shares its weight with the embedding (TorchTitan subtracts the
 shared table then, missing the output matmul). 6 = 2 (multiply-add) x 3 (forward + backward
 needing twice the forward). The second term is the attention score and value matmuls (QK^T and

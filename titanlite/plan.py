@@ -24,7 +24,7 @@ from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
-from titanlite.models.registry import model_args, model_class
+from titanlite.models.registry import FAMILIES, model_args, model_class
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.dims import ParallelDims
 from titanlite.run_control import check_lock_free
@@ -160,6 +160,35 @@ def locked_folders(cfg: JobConfig) -> dict[str, Path]:
     return folders
 
 
+def check_experts(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, inference: bool = False) -> None:
+    """ConfigError when expert parallelism cannot split this model's experts, is asked of a dense model, or when an
+    MoE's sizes do not suit its kernels."""
+    ep, key = dims.ep, f"parallelism.expert_parallel_degree = {dims.ep}"
+    if not args.moe:
+        if ep > 1:
+            moe = ", ".join(n for n, f in FAMILIES.items() if any(a.moe for a in f.flavors.values()))
+            raise ConfigError(
+                f"{key} splits a Mixture of Experts' experts, but model.name = {cfg.model.name!r} "
+                f"({cfg.model.flavor}) has none; valid: 1, or an MoE family ({moe})"
+            )
+        return
+    if args.n_experts % ep:
+        valid = ", ".join(str(d) for d in range(1, args.n_experts + 1) if args.n_experts % d == 0)
+        raise ConfigError(f"{key} does not divide the model's {args.n_experts} experts; valid: {valid}")
+    if dims.tp > 1 and not inference and cfg.training.seq_len % dims.tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {dims.tp} with a Mixture of Experts splits every sequence's tokens "
+            f"over the tp ranks to route them, but training.seq_len = {cfg.training.seq_len} is not a multiple of "
+            f"{dims.tp}; valid: a multiple of {dims.tp}"
+        )
+    if dtype_bytes(cfg.training.mixed_precision_param) < 4 and (args.dim % 8 or args.moe_hidden_dim % 8):
+        raise ConfigError(
+            f"the experts of {cfg.model.name} {cfg.model.flavor} (dim {args.dim}, expert hidden size "
+            f"{args.moe_hidden_dim}) need both sizes to be multiples of 8 for torch._grouped_mm in "
+            f"training.mixed_precision_param = {cfg.training.mixed_precision_param!r}; use float32 or another flavor"
+        )
+
+
 def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None = "cpu") -> RunPlan:
     """Every check a run makes before its process group, as ConfigError; returns the plan.
 
@@ -178,6 +207,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     if folder is not None:
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
     check_tensor_parallel(cfg, dims, args)
+    check_experts(cfg, dims, args)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
         raise ConfigError(

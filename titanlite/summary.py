@@ -52,6 +52,13 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
     mem = sharded_state_bytes(model, states)
     fpt = flops_per_token(model_args, cfg.training.seq_len)
     job = cfg.job.config_file or "no config file (defaults)"
+    moe = []
+    if model_args.moe:
+        a, lb = model_args, cfg.moe.load_balance
+        moe = [
+            f"MoE: {a.n_experts} experts, top-{a.top_k}, {dims.describe_ep(a.n_experts)}; {counts['active']:,} "
+            f"active parameters per token; load balance {lb}"
+        ]
     return [
         f"Job: {job}" + (f": {cfg.job.description}" if cfg.job.description else ""),
         f"World size {dims.world_size}: data-parallel degree {dims.dp_degree} "
@@ -63,6 +70,7 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
         f"{human_bytes(mem.grads)} + optimizer {human_bytes(mem.optimizer)} ({cfg.optimizer.name}, "
         f"{states} states) = {human_bytes(mem.params + mem.grads + mem.optimizer)}, plus activations and "
         f"gathered blocks",
-        f"FLOPs per token: {fpt:.4g} (6 x non-embedding parameters + 12 x layers x heads x head_dim x seq_len "
-        f"{cfg.training.seq_len})",
+        *moe,
+        f"FLOPs per token: {fpt:.4g} (6 x non-embedding {'active ' if model_args.moe else ''}parameters + 12 x "
+        f"layers x heads x head_dim x seq_len {cfg.training.seq_len})",
     ]

@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from titanlite.metrics import setup_logging
 from titanlite.models.hf_config import hf_folder, is_hf_folder
 from titanlite.models.registry import family_of_folder, model_args
 from titanlite.parallel.dims import ParallelDims
-from titanlite.plan import check_tensor_parallel
+from titanlite.plan import check_experts, check_tensor_parallel
 
 logger = logging.getLogger("titanlite")
 
@@ -110,6 +111,7 @@ def run(argv: list[str]) -> str:
     checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg, given=bool(args.checkpoint))
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
 
+    expert_mesh = None
     if dims is None:  # one process: a plain, unsharded model and no process group
         device, mesh = pick_device(0), None
     else:
@@ -117,12 +119,20 @@ def run(argv: list[str]) -> str:
             cfg.model, tokenizer.vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path)
         )
         check_tensor_parallel(cfg, dims, args_, inference=True)
+        check_experts(cfg, dims, args_, inference=True)
         env = init_distributed()
         device, mesh = env.device, dims.build_mesh(env.device.type)
         logger.info(dims.describe() + ", weights gathered per block on demand")
         if tp_line := dims.describe_tp(False, False):
             logger.info(tp_line)
-    model = inference_model(cfg, tokenizer.vocab_size, device, mesh, checkpoint)
+        if args_.moe:  # every rank runs the same tokens: each gathers a block's experts like its other weights
+            expert_mesh = replace(dims, ep=1).build_expert_mesh(env.device.type)
+            if dims.ep > 1:
+                logger.info(
+                    f"parallelism.expert_parallel_degree = {dims.ep} is a training setting: generation gathers each "
+                    f"block's experts with FSDP as it runs the block"
+                )
+    model = inference_model(cfg, tokenizer.vocab_size, device, mesh, checkpoint, expert_mesh=expert_mesh)
     if checkpoint is None:
         model.init_weights(cfg.training.seed)
         logger.info(f"Untrained weights (seed {cfg.training.seed})")
