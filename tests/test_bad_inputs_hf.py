@@ -170,6 +170,9 @@ def export(checkpoint, output, *extra):
 
 
 INT = "expected a positive integer"
+QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32)  # fmt: skip
+MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 CASES = [
     # HF config.json: missing, mistyped, foreign fields; not JSON; not an object
     Case("hf-hidden-size-a-string", "hf", "generate", generate(HF), (HF_CONFIG, 'hidden_size = "4096"', INT),
@@ -238,6 +241,26 @@ CASES = [
          (HF_CONFIG, "model_type 'gemma' ['GemmaForCausalLM'], which titanlite does not implement",
           "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"),
          hf(fields(architectures=["GemmaForCausalLM"], model_type="gemma"))),
+    Case("hf-deepseek-v3-unsupported", "hf", "generate", generate(HF),
+         (HF_CONFIG, "model_type 'deepseek_v3' ['DeepseekV3ForCausalLM'], which titanlite does not implement",
+          "Qwen3MoeForCausalLM", "MixtralForCausalLM"),
+         hf(fields(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"))),
+    Case("hf-gpt-oss-unsupported", "hf", "config", check_hf(),
+         (HF_CONFIG, "model_type 'gpt_oss' ['GptOssForCausalLM'], which titanlite does not implement"),
+         hf(fields(architectures=["GptOssForCausalLM"], model_type="gpt_oss"))),
+    Case("hf-qwen3-moe-dense-layers-between", "hf", "config", check_hf("--model.name", "qwen3_moe"),
+         (HF_CONFIG, "decoder_sparse_step = 2", "expected 1"),
+         hf(fields(**QWEN3_MOE, decoder_sparse_step=2))),
+    Case("hf-qwen3-moe-mlp-only-layers", "hf", "generate", generate(HF),
+         (HF_CONFIG, "mlp_only_layers = [0]", "expected []"), hf(fields(**QWEN3_MOE, mlp_only_layers=[0]))),
+    Case("hf-qwen3-moe-top-k-above-experts", "hf", "config", check_hf("--model.name", "qwen3_moe"),
+         (HF_CONFIG, "num_experts_per_tok = 8 is more than the 4 experts"),
+         hf(fields(**QWEN3_MOE | {"num_experts_per_tok": 8}))),
+    Case("hf-mixtral-sliding-window", "hf", "config", check_hf("--model.name", "mixtral"),
+         (HF_CONFIG, "sliding_window = 4096", "sliding_window = null"),
+         hf(fields(**MIXTRAL, sliding_window=4096))),
+    Case("hf-mixtral-router-jitter", "hf", "generate", generate(HF),
+         (HF_CONFIG, "router_jitter_noise = 0.1", "expected 0"), hf(fields(**MIXTRAL, router_jitter_noise=0.1))),
     Case("hf-mistral-sliding-window", "hf", "config", check_hf("--model.name", "mistral"),
          (HF_CONFIG, "sliding_window = 4096", "sliding_window = null"),
          hf(fields(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096))),
