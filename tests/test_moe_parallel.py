@@ -172,3 +172,23 @@ def test_hf_import_export_and_generation_under_ep(tmp_path):
     with torch.no_grad():
         assert (back(x).logits - ref(x)).abs().max() < 1e-5
     assert all(tokens == ref_tokens for _, tokens in res)
+
+
+def _eager_and_compiled(tmp, argv):
+    out = {}
+    for name, extra in (("eager", ()), ("compiled", ("--compile.enable", "--compile.backend", "inductor"))):
+        torch._dynamo.reset()
+        t = make_trainer(
+            tiny_argv(f"{tmp}/{name}", "--model.name", "qwen3_moe", "--training.steps", "4", *argv, *extra)
+        )
+        out[name] = t.train()
+    return out
+
+
+def test_compile_with_experts_equals_eager(tmp_path):
+    """[compile] on MoE blocks under TP(2) x EP(2): the experts run eagerly inside the compiled block (torch 2.13
+    compiles _grouped_mm in bf16 only), the losses are eager's."""
+    argv = ("--training.global_batch_size", "8", "--training.local_batch_size", "8", *TP2, *EP2)
+    res = run_distributed(_eager_and_compiled, 2, str(tmp_path), argv)[0]
+    for step, loss in res["eager"].items():
+        assert abs(res["compiled"][step] - loss) <= 1e-5 * loss, (step, res)

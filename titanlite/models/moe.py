@@ -103,6 +103,9 @@ class GroupedExperts(nn.Module):
         self.ep, self.ep_group = 1, None  # set by parallel/ep.py
         self.grad_scale = 1.0  # set by parallel/ep.py
 
+    # Eager under torch.compile: torch 2.13's compiled _grouped_mm takes bf16 only (its meta kernel checks), and the
+    # token exchange reads sizes on the host; the rest of the block compiles around it.
+    @torch.compiler.disable
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.ep == 1:
             return self._compute(tokens, counts)
