@@ -80,6 +80,7 @@ def _args(vocab=258, **family):
 
 # Qwen3's switches (qk-norm, a head_dim of its own) and Qwen2's (q/k/v biases) change what a block keeps.
 FAMILY_SWITCHES = {"qwen3": dict(qk_norm=True, explicit_head_dim=32), "qwen2": dict(qkv_bias=True)}
+MOE = dict(n_experts=8, top_k=2, moe_hidden_dim=64, router_init_std=0.5)  # the blocks of Qwen3-MoE and Mixtral
 
 
 def _assert_estimate_close(runs):
@@ -113,6 +114,13 @@ def test_activation_estimate_matches_measured_peak_bf16(vocab):
 @pytest.mark.parametrize("family", sorted(FAMILY_SWITCHES))
 def test_activation_estimate_matches_measured_peak_of_each_family(family, dtype):
     _assert_estimate_close({name: _step(_args(**FAMILY_SWITCHES[family]), name, dtype) for name in MODES})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_estimate_matches_measured_peak_of_moe_blocks(dtype):
+    """An MoE block's router, routing and grouped-GEMM experts, with each AC mode (seq 256: the blocks, not the loss,
+    make the peak)."""
+    _assert_estimate_close({name: _step(_args(**MOE), name, dtype, seq=256) for name in MODES})
 
 
 def test_checkpointed_blocks_and_config_checks(monkeypatch, tmp_path):

@@ -232,6 +232,28 @@ def test_dry_run_sizes_qwen3_8b_and_32b(capsys):
     assert code == 0 and "fits: yes" in out
 
 
+def test_dry_run_sizes_qwen3_moe_with_expert_parallelism(capsys):
+    """Qwen3-30B-A3B fine-tuning on 8 GPUs (FSDP 8 x EP 8, full AC) fits; its state is 1/8 of the model's; EP keeps
+    each rank from gathering every expert; 235B-A22B fits on 64 GPUs."""
+    no_files = ("--job.config_file", "qwen3_30b_a3b_finetune", "--model.tokenizer_path", "",
+                "--checkpoint.initial_load_path", "")  # fmt: skip
+    code, out, _ = _main(capsys, 8, *no_files)
+    assert code == 0 and "model: qwen3_moe 30B-A3B, 30.53B parameters, 48 blocks" in out and "fits: yes" in out
+    assert "EP: expert_parallel_size=8, experts FSDP-sharded over 1 rank(s)" in out
+    assert "MoE: 128 experts, top-8, EP=8 (16 experts per rank)" in out and "3.35B active parameters" in out
+    table = _table(out)
+    assert abs(table["parameters"] - 30_532_122_624 * 4 / 8 / GIB) < 0.01
+    code, fsdp_only, _ = _main(capsys, 8, *no_files, "--parallelism.expert_parallel_degree", "1")
+    assert _table(fsdp_only)["FSDP buffers"] > 2 * table["FSDP buffers"]  # each block's 128 experts gathered
+    code, out, _ = _main(capsys, 8, *no_files, "--activation_checkpoint.mode", "selective",
+                         "--activation_checkpoint.selective_ac_option", "op")  # fmt: skip
+    assert code == 1 and "fits: no" in out
+    code, out, _ = _main(capsys, 64, "--model.name", "qwen3_moe", "--model.flavor", "235B-A22B",
+                         "--parallelism.expert_parallel_degree", "32", "--training.seq_len", "4096",
+                         "--training.local_batch_size", "1", "--activation_checkpoint.mode", "full")  # fmt: skip
+    assert code == 0 and "fits: yes" in out and "235.09B parameters" in out
+
+
 def test_dry_run_70b_and_405b_with_tensor_parallelism(capsys, monkeypatch):
     """70B on 2 x 8 GPUs as FSDP 2 x TP 8 fits (FSDP alone needs 32 GPUs); per-rank state is the total over
     shard x tp plus the norms, which tp replicates; 405B fits on 16 x 8 GPUs, not on 8 x 8; tp beyond a node warns."""

@@ -49,6 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
+# Under expert parallelism the busiest rank is taken to receive this many times the average routed tokens (headroom,
+# not a measurement: the step line's busiest-expert figure shows what a run sees).
+EP_IMBALANCE = 1.25
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2}
 
 
@@ -64,6 +67,7 @@ def activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
+    ep: int = 1,
 ) -> dict[str, int]:
     """Peak activation bytes of one microbatch of `tokens` tokens on one rank, by part (and 'total').
 
@@ -73,10 +77,12 @@ def activation_bytes(
     at a time (0: all at once); compiled_loss: the loss is one
     compiled kernel that keeps only the logits. tp, sequence_parallel, loss_parallel: tensor parallelism
     (each rank keeps its share of the heads and features; with sequence parallelism 1 / tp of the residual
-    stream's tokens; with loss parallelism 1 / tp of the logits).
+    stream's tokens; with loss parallelism 1 / tp of the logits). ep: an MoE's expert parallelism, which adds the
+    token exchange of one block beside its recompute, and headroom for routing imbalance: the busiest rank is taken to
+    receive EP_IMBALANCE times the average tokens for the experts' kept activations.
     """
     sp = tp > 1 and sequence_parallel
-    kept, rebuilt = block_bytes(args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel)
+    kept, rebuilt = block_bytes(args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel, ep)
     blocks = sum(kept)
     vocab = args.vocab_size // tp if loss_parallel or loss_chunk_tokens > 0 else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
@@ -87,9 +93,9 @@ def activation_bytes(
         loss_tokens, loss = min(loss_chunk_tokens, tokens), vocab * (8 + act_bytes)
     recompute = max(rebuilt, default=0)
     parts = {
-        "blocks": tokens * blocks,
+        "blocks": int(tokens * blocks),
         "final norm": tokens * args.dim * (4 + 4 + act_bytes) // (tp if sp else 1),
-        "loss or recompute": max(loss_tokens * loss, tokens * recompute),
+        "loss or recompute": int(max(loss_tokens * loss, tokens * recompute)),
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -104,15 +110,22 @@ def block_bytes(
     op_policy: str = "all_matmuls",
     tp: int = 1,
     sequence_parallel: bool = True,
+    ep: int = 1,
 ) -> tuple[list[int], list[int]]:
     """Per block (arguments as activation_bytes'): the bytes it keeps for backward, and the bytes its backward
-    rebuilds on top of them (a checkpointed block's whole forward; 0 for the others)."""
-    per_block = args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel)
+    rebuilds on top of them (a checkpointed block's whole forward; 0 for the others; under expert parallelism also
+    the token exchange, and the experts' share grows by EP_IMBALANCE)."""
+    per_block = dict(args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel))
+    transient = 0.0
+    if args.moe and ep > 1:
+        for mode, experts in args.expert_activation_bytes(act_bytes, tp).items():
+            per_block[mode] += experts * (EP_IMBALANCE - 1)
+        transient = args.exchange_bytes(act_bytes, tp)
     op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
     kept = op if op_sac else per_block["full"]
     blocks = range(args.n_layers)
-    return [tokens * (kept if i in wrapped else per_block["none"]) for i in blocks], [
-        tokens * per_block["none"] if i in wrapped else 0 for i in blocks
+    return [int(tokens * (kept if i in wrapped else per_block["none"])) for i in blocks], [
+        int(tokens * ((per_block["none"] if i in wrapped else 0) + transient)) for i in blocks
     ]
 
 
@@ -152,13 +165,14 @@ def unit_blocks(model) -> list[int | None]:
 
 
 def gathered_numel(p) -> int:
-    """Elements of p once FSDP has gathered it over the data-parallel ranks (split over "tp" only)."""
+    """Elements of p once FSDP has gathered it over the data-parallel ranks (split over "tp", or an MoE's experts
+    over "ep", only)."""
     n = p.numel()
     mesh = getattr(p, "device_mesh", None)
     if mesh is None:
         return n
     for name, placement in zip(mesh.mesh_dim_names or (), p.placements):
-        if name == "tp" and placement.is_shard():
+        if name in ("tp", "ep") and placement.is_shard():
             n //= mesh.size(mesh.mesh_dim_names.index(name))
     return n
 

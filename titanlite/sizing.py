@@ -94,6 +94,7 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
         tp=plan.dims.tp,
         sequence_parallel=cfg.parallelism.enable_sequence_parallel,
         loss_parallel=plan.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,
+        ep=plan.dims.ep,
     )
 
 
@@ -106,7 +107,7 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dic
     op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
     tp, sp = plan.dims.tp, cfg.parallelism.enable_sequence_parallel
     kept, rebuilt = me.block_bytes(
-        plan.model_args, tokens, act_bytes, est.ac_blocks, op_sac, ac.selective_op_policy, tp, sp
+        plan.model_args, tokens, act_bytes, est.ac_blocks, op_sac, ac.selective_op_policy, tp, sp, plan.dims.ep
     )
     return me.backward_peak(
         est.units,
@@ -139,7 +140,8 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         mesh = plan.dims.build_mesh("cpu")  # the same plan as on GPUs; the fake group does no communication
-        built = build_model(cfg, plan.model_args, mesh)
+        expert_mesh = plan.dims.build_expert_mesh("cpu") if plan.model_args.moe else None
+        built = build_model(cfg, plan.model_args, mesh, expert_mesh=expert_mesh)
         # As the Trainer does next (allocates nothing: Adam's state appears at the first step).
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
         state = me.sharded_state_bytes(built.model)
@@ -186,6 +188,22 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     return est
 
 
+def _moe_lines(args, dims) -> list[str]:
+    """What the report says of a Mixture of Experts: experts per rank, active parameters, what the activations hold."""
+    if not args.moe:
+        return []
+    ep_part = (
+        f"; the activations hold one block's token exchange and {me.EP_IMBALANCE:.2f}x the average routed tokens on "
+        f"the busiest rank"
+        if dims.ep > 1
+        else ""
+    )
+    return [
+        f"MoE: {args.n_experts} experts, top-{args.top_k}, {dims.describe_ep(args.n_experts)}; "
+        f"{args.param_counts()['active'] / 1e9:.2f}B active parameters per token{ep_part}"
+    ]
+
+
 def _activation_text(tokens: int, dtype: str, ac: str) -> str:
     """What the activations row counts, within its column (the dtype is left out when it does not fit)."""
     text = f"{tokens} tokens, {dtype}, {ac}"
@@ -219,6 +237,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             f"per rank {t.local_batch_size} x {t.seq_len} tokens per microbatch, {plan.grad_accum} microbatch(es) "
             f"per step",
             describe_ac_compile(ac, est.ac_blocks, est.compiled, args.n_layers),
+            *_moe_lines(args, plan.dims),
             "",
             "memory per rank (rank 0 holds the largest shard)                     GiB",
             row("parameters", f"fp32 shards on {where_state}", est.params),

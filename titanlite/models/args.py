@@ -172,21 +172,60 @@ class ModelArgs:
         ranks, heads, q, kv and ffn are each rank's share (/ tp); with sequence parallelism the residual stream and
         the norms hold 1 / tp of the tokens, the matmuls keep their whole-sequence inputs (all-gathered, 2*dim*a)
         and the out-projections' whole-sequence outputs before the reduce-scatter (selective 'op').
+
+        An MoE block keeps, in place of the FFN's, per routed token (each tp rank routes 1 / tp of them, and with
+        expert parallelism receives as many on average; models/moe.py):
+
+            no AC                 fp32 router input and probabilities (4*dim + 4*E), the top_k slots' indices and
+                                  weights, and per slot the experts' input, w1, silu, w3 outputs and their
+                                  product, and the output: top_k * (2*dim + 4*h + 1) * a
+            selective 'op'        the router's logits and the grouped matmuls' outputs: 4*E + top_k*(2*h + dim)*a
+            'op', every second    the router's logits (5th matmul of the block) and w3's output (7th)
         """
         a, d = act_bytes, self.dim
         heads, kv_heads = self.n_heads // tp, self.kv_heads // tp
         q, kv, ffn = heads * self.head_dim, kv_heads * self.head_dim, self.ffn_hidden_dim // tp
         share = 1 / tp if sequence_parallel else 1.0  # of the residual stream's tokens on this rank
-        norms = (2 * d * (4 + 4 + a) + 2 * 4) * share + 2 * d * a * (1 - share)  # + the gathered matmul inputs
+        gathered = 1 if self.moe else 2  # the whole-sequence inputs of attention (and the dense FFN)
+        norms = (2 * d * (4 + 4 + a) + 2 * 4) * share + gathered * d * a * (1 - share)
+        if self.moe:  # nothing saves the ffn norm's output: the router saves its fp32 copy
+            norms -= d * a * share
         if self.qk_norm:
             norms += (q + kv) * (4 + 4) + 4 * (heads + kv_heads)  # its output is RoPE's saved input
         lse = 4 * heads
+        if self.moe:
+            e, experts = self.n_experts, self.expert_activation_bytes(act_bytes, tp)
+            ffn_none = (4 * d + 4 * e + 4 + 28 * self.top_k) / tp + experts["none"]
+            ffn_op = 4 * e / tp + experts["op"]
+            ffn_second = 4 * e / tp + experts["op_every_second"]
+            return {
+                "none": int(norms + (2 * q + 2 * kv) * a + ffn_none + lse),
+                "full": int(d * a * share),
+                "op": int(d * a * share + (d + 2 * q + 2 * kv) * a + ffn_op + lse),
+                "op_every_second": int(d * a * share + (2 * q + kv) * a + ffn_second + lse),
+            }
         return {
             "none": int(norms + (2 * q + 2 * kv + 4 * ffn) * a + lse),
             "full": int(d * a * share),
             "op": int(d * a * share + (2 * d + 2 * q + 2 * kv + 2 * ffn) * a + lse),
             "op_every_second": int(d * a * share + (d + 2 * q + kv + ffn) * a + lse),
         }
+
+    def expert_activation_bytes(self, act_bytes: int, tp: int = 1) -> dict[str, float]:
+        """Of block_activation_bytes' MoE share, the bytes per token the experts keep (on the rank that holds them:
+        with expert parallelism a rank keeps them for the tokens it receives, top_k per routed token on average)."""
+        k, h, d, a = self.top_k, self.moe_hidden_dim, self.dim, act_bytes
+        return {
+            "none": k * a * (2 * d + 4 * h + 1) / tp,
+            "full": 0.0,
+            "op": k * a * (2 * h + d) / tp,
+            "op_every_second": k * h * a / tp,
+        }
+
+    def exchange_bytes(self, act_bytes: int, tp: int = 1) -> float:
+        """Bytes per token of one MoE block's token exchange under expert parallelism: the routed tokens sent and
+        received (top_k copies each way), alive while the block runs forward or backward."""
+        return 2 * self.top_k * self.dim * act_bytes / tp
 
 
 def _numel(shape: tuple[int, ...]) -> int:

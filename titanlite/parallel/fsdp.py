@@ -75,6 +75,8 @@ def describe(num_groups: int, mesh: DeviceMesh, dims, parallelism=None) -> list[
         tp := dims.describe_tp(parallelism.enable_sequence_parallel, parallelism.enable_loss_parallel)
     ):
         lines.insert(1, tp)
+    if getattr(dims, "ep", 1) > 1:
+        lines.insert(-1, f"EP: expert_parallel_size={dims.ep}, experts FSDP-sharded over {dims.expert_fsdp} rank(s)")
     return lines
 
 
