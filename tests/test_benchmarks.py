@@ -95,3 +95,12 @@ def test_gpu_check_runs_every_section_at_a_tiny_size(tmp_path):
     assert all(r["block_masks_per_forward"] == 1 and r["within_tolerance"] for r in report["flex"]["rows"])
     assert report["mfu"]["rows"][0]["tokens_per_sec"] > 0 and report["suite"]["counts"]["passed"] == 1
     assert "CPU: 1 passed, 0 skipped, 0 failed" in (tmp_path / "report.md").read_text()
+
+
+def test_moe_benchmark_prints_its_tables():
+    out = _bench("moe.py", "--reps", "1", "--balance-steps", "4", "--tokens", "64", "--hidden", "64",
+                 "--expert-hidden", "64", "--seq-len", "32", "--batch", "1")  # fmt: skip
+    assert re.search(r"per-expert loop / grouped GEMM: [\d.]+ median", out), out
+    assert re.search(r"FSDP\(2\) x EP\(2\)\s+\d+\s+\d+-\d+\s+x[\d.]+", out), out
+    assert re.search(r"the token exchange moves [\d.]+ MiB", out), out
+    assert all(re.search(rf"{mode}\s+[\d.]+\s+[\d.]+", out) for mode in ("aux_free", "aux_loss", "none")), out

@@ -185,3 +185,26 @@ def test_load_balance_in_the_step_line_and_tensorboard(tmp_path):
     assert f"moe: busiest {moe['busiest_over_mean']:.2f}x mean (layer {moe['busiest_layer']})" in line
     assert "aux: " in line
     assert {"moe/busiest_over_mean", "moe/aux_loss"} <= set(t.metrics.collect(1, 5.0, 1.0, 1e-3, moe).scalars())
+
+
+def test_an_export_says_it_leaves_the_routing_bias_out(tmp_path, caplog):
+    """aux_free's bias is not part of Qwen3MoeForCausalLM: the export says so (and writes no such tensor)."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from titanlite.checkpoint.hf_io import save_hf_sharded
+    from titanlite.data.tokenizers import ByteTokenizer
+    from titanlite.models.decoder import Transformer
+    from titanlite.models.qwen3_moe import QWEN3_MOE_FLAVORS
+
+    model = Transformer(QWEN3_MOE_FLAVORS["tiny"].with_overrides(vocab_size=258))
+    model.init_weights(0)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        save_hf_sharded(model, tmp_path / "zero", torch.float32, ByteTokenizer())
+    assert "routing bias" not in caplog.text
+    model.layers[1].feed_forward.expert_bias[2] = 0.01
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        save_hf_sharded(model, tmp_path / "moved", torch.float32, ByteTokenizer())
+    assert "the routing bias learned with [moe] load_balance = 'aux_free'" in caplog.text
+    assert not any("bias" in k for f in (tmp_path / "moved").glob("*.safetensors") for k in load_file(f))

@@ -10,6 +10,7 @@ of a saved checkpoint: one process, one output file's tensors in memory at a tim
 from __future__ import annotations
 
 import json
+import logging
 import math
 import pathlib
 import shutil
@@ -39,6 +40,8 @@ from titanlite.models.hf_names import (
     to_hf_name,
 )
 from titanlite.models.registry import FAMILIES
+
+logger = logging.getLogger("titanlite")
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3  # HF's default shard size
@@ -235,6 +238,20 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     set_model_state_dict(model, sd)
 
 
+ROUTING_BIAS = "feed_forward.expert_bias"
+
+
+def warn_dropped_routing_bias(biases: dict[str, torch.Tensor], out: pathlib.Path) -> None:
+    """Warn when an MoE's routing bias (moved by [moe] load_balance = "aux_free") is not zero: the HF architecture
+    has none, so the exported model chooses its experts without it."""
+    if any(bool((b.to_local() if isinstance(b, DTensor) else b).abs().max() > 0) for b in biases.values()):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning(
+                f"{out}: the routing bias learned with [moe] load_balance = 'aux_free' is not part of the HF "
+                f"architecture and is left out: the exported model chooses experts without it (docs/moe.md)"
+            )
+
+
 def file_mapping(args: ModelArgs, itemsize: int, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> dict[str, int]:
     """HF tensor name -> output file index (1..N), in model order, each file at most max_file_bytes."""
     mapping, index, used = {}, 1, 0
@@ -285,7 +302,9 @@ def save_hf_sharded(
     out = pathlib.Path(out)
     args = model.args
     state = {}
-    for name, t in get_model_state_dict(model).items():
+    model_state = get_model_state_dict(model)
+    warn_dropped_routing_bias({n: t for n, t in model_state.items() if n.endswith(ROUTING_BIAS)}, out)
+    for name, t in model_state.items():
         if not stored_in_hf(name, args):
             continue
         t = t.detach().to(dtype)
@@ -352,6 +371,14 @@ def export_hf(
         raise ConfigError(
             f"{checkpoint} holds a tensor that no HF architecture of titanlite has ({e.args[0]})"
         ) from None
+    biases = {
+        prefix + n: torch.empty(md.size, dtype=md.properties.dtype)
+        for n, md in saved.items()
+        if n.endswith(ROUTING_BIAS)
+    }
+    if biases:
+        read_in_this_process(biases, checkpoint)
+        warn_dropped_routing_bias(biases, out)
     itemsize = (dtype or next(iter(saved.values())).properties.dtype).itemsize
     mapping = file_mapping(args, itemsize, max_file_bytes)
     missing, extra = sorted(set(mapping) - set(names)), sorted(set(names) - set(mapping))
