@@ -1,6 +1,6 @@
 """Mixture of Experts on the CPU: the grouped GEMM against a per-expert loop, EP(2) against FSDP(2), and load balance.
 
-    python benchmarks/moe.py                    # every part; about 4 minutes on 2 CPU cores
+    python benchmarks/moe.py                    # every part; about 13 minutes on 2 CPU cores
     python benchmarks/moe.py --parts gemm       # one part: gemm, ep or balance
 
 gemm: forward and backward of one layer's experts (titanlite's GroupedExperts: torch._grouped_mm over the tokens
@@ -14,8 +14,8 @@ routing, the share that stays on its own rank excluded) against the bytes FSDP's
 without EP.
 
 balance: the busiest expert's load over the mean (per layer, the worst layer, averaged over logged steps) over
---balance-steps steps of the qwen3_moe debug model on the embedded text, with the aux-free routing bias, the
-auxiliary loss, and no balancing.
+--balance-steps steps of the qwen3_moe debug model on the embedded text, with the aux-free routing bias and the
+auxiliary loss, each at two strengths, and without balancing.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def ep(opts) -> list[str]:
     ]
 
 
-def _balance(opts, mode: str) -> tuple[float, float]:
+def _balance(opts, mode: str, extra: tuple[str, ...]) -> tuple[float, float]:
     from titanlite.config import load
     from titanlite.trainer import Trainer
 
@@ -149,7 +149,7 @@ def _balance(opts, mode: str) -> tuple[float, float]:
             "--model.name", "qwen3_moe", "--model.flavor", "debugmodel", "--training.seq_len", "256",
             "--training.local_batch_size", "8", "--training.steps", str(opts.balance_steps),
             "--training.mixed_precision_param", "float32", "--moe.load_balance", mode, "--metrics.log_freq",
-            "1000000", "--job.dump_folder", dump,
+            "1000000", "--job.dump_folder", dump, *extra,
         ]  # fmt: skip
         t = Trainer(load(argv))
         shares = []
@@ -163,15 +163,25 @@ def _balance(opts, mode: str) -> tuple[float, float]:
     return statistics.mean(shares), statistics.mean(last)
 
 
+BALANCE_RUNS = (  # (load_balance, its setting)
+    ("aux_free", ("--moe.bias_update_rate", "0.001")),
+    ("aux_free", ("--moe.bias_update_rate", "0.01")),
+    ("aux_loss", ("--moe.aux_loss_coef", "0.001")),
+    ("aux_loss", ("--moe.aux_loss_coef", "0.01")),
+    ("none", ()),
+)
+
+
 def balance(opts) -> list[str]:
     rows = []
-    for mode in ("aux_free", "aux_loss", "none"):
-        whole, last = _balance(opts, mode)
-        rows.append([mode, f"{whole:.2f}", f"{last:.2f}"])
+    for mode, extra in BALANCE_RUNS[: opts.balance_runs]:
+        whole, last = _balance(opts, mode, extra)
+        rows.append([mode, " ".join(extra).replace("--moe.", "") or "-", f"{whole:.2f}", f"{last:.2f}"])
     return [
-        f"\nbalance: qwen3_moe debugmodel (8 experts, top-2), {opts.balance_steps} steps of 8 x 256 tokens; the "
-        f"busiest expert's load over the mean, worst layer (1.00 = perfectly even, 4.00 = every token to one)",
-        common.format_table(["load_balance", "all steps", f"last {opts.balance_steps // 4}"], rows),
+        f"\nbalance: qwen3_moe debugmodel (6 blocks, 8 experts, top-2), lr 8e-4, {opts.balance_steps} steps of 8 x 256 "
+        f"tokens; the busiest expert's load over the mean in the worst layer, averaged over the steps (1.00 = even, "
+        f"4.00 = every token's first choice on one expert)",
+        common.format_table(["load_balance", "setting", "all steps", f"last {opts.balance_steps // 4}"], rows),
     ]
 
 
@@ -187,6 +197,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4, help="ep: sequences per rank")
     p.add_argument("--reps", type=int, default=6, help="timed repetitions of each mode (interleaved)")
     p.add_argument("--balance-steps", type=int, default=200)
+    p.add_argument("--balance-runs", type=int, default=len(BALANCE_RUNS), help="balance: the first N settings")
     opts = p.parse_args(argv)
     print(common.machine_line("cpu"))
     torch.set_num_threads(os.cpu_count() or 1)

@@ -78,6 +78,16 @@ def full_model(trainer) -> dict:
     return {k: v.full_tensor() for k, v in trainer.model.state_dict().items()}
 
 
+def assert_same_hf_weights(a, b) -> None:
+    """Two HF safetensors folders hold the same tensors, bit for bit (however they are split into files)."""
+    from safetensors.torch import load_file
+
+    one = {k: v for f in Path(a).glob("*.safetensors") for k, v in load_file(f).items()}
+    two = {k: v for f in Path(b).glob("*.safetensors") for k, v in load_file(f).items()}
+    assert one.keys() == two.keys(), sorted(one.keys() ^ two.keys())[:5]
+    assert all(torch.equal(one[k], two[k]) for k in one), [k for k in one if not torch.equal(one[k], two[k])][:5]
+
+
 def load_everything(path) -> dict:
     """Everything a DCP checkpoint folder holds, loaded in this process."""
     from torch.distributed.checkpoint import FileSystemReader

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import ckpt_argv, make_trainer, run_distributed, tiny_argv
+from helpers import assert_same_hf_weights, ckpt_argv, make_trainer, run_distributed, tiny_argv
 
 pytestmark = pytest.mark.slow  # spawned gloo ranks
 
@@ -148,7 +148,6 @@ def _hf_under_ep(folder, out):
 
 
 def test_hf_import_export_and_generation_under_ep(tmp_path):
-    from safetensors.torch import load_file
     from test_moe import _titanlite_from, hf_moe_model
 
     from titanlite.checkpoint.hf_io import save_hf_sharded
@@ -164,9 +163,7 @@ def test_hf_import_export_and_generation_under_ep(tmp_path):
     full = res[0][0]
     for k, v in ref.state_dict().items():
         assert torch.equal(full[k], v), k
-    one = {k: v for f in (tmp_path / "export1").glob("*.safetensors") for k, v in load_file(f).items()}
-    split = {k: v for f in (tmp_path / "export").glob("*.safetensors") for k, v in load_file(f).items()}
-    assert one.keys() == split.keys() and all(torch.equal(one[k], split[k]) for k in one)
+    assert_same_hf_weights(tmp_path / "export1", tmp_path / "export")
     back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "export").eval()
     x = torch.randint(0, 300, (1, 50))
     with torch.no_grad():

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from helpers import ckpt_argv, make_trainer, run_distributed, tiny_argv
+from helpers import assert_same_hf_weights, ckpt_argv, make_trainer, run_distributed, tiny_argv
 
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 
@@ -172,7 +172,6 @@ def test_hf_import_export_and_generation_under_tp(tmp_path):
     """A Qwen2 folder (q/k/v biases, permuted with their rows) under FSDP(2) x TP(2): bit-identical import, an export
     equal to the one-process export, and KV-cache generation equal to one process."""
     transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
     from test_model_families import _titanlite_from, hf_family_model
 
     from titanlite.checkpoint.hf_io import save_hf_sharded
@@ -187,9 +186,7 @@ def test_hf_import_export_and_generation_under_tp(tmp_path):
     full = res[0][0]
     for k, v in ref.state_dict().items():
         assert torch.equal(full[k], v), k
-    one = {k: v for f in (tmp_path / "export1").glob("*.safetensors") for k, v in load_file(f).items()}
-    split = {k: v for f in (tmp_path / "export").glob("*.safetensors") for k, v in load_file(f).items()}
-    assert one.keys() == split.keys() and all(torch.equal(one[k], split[k]) for k in one)
+    assert_same_hf_weights(tmp_path / "export1", tmp_path / "export")
     back = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "export").eval()
     x = torch.randint(0, 300, (1, 50))
     with torch.no_grad():

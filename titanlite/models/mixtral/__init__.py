@@ -12,13 +12,14 @@ from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.family import Family, HFArchitecture, HFExperts
 
-_SMALL = dict(family="mixtral", norm_eps=1e-5, rope_theta=1_000_000.0, router_init_std=0.5, router_aux_loss_coef=0.02)
+_SMALL = dict(family="mixtral", norm_eps=1e-5, rope_theta=1_000_000.0, router_aux_loss_coef=0.02)
+_DECISIVE = dict(router_init_std=0.5)  # tiny, the parity tests' flavor: no routing ties that float noise could flip
 
 MIXTRAL_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(**_SMALL, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, intermediate_size=512,
                             n_experts=8, top_k=2, moe_hidden_dim=512),
-    "tiny": ModelArgs(**_SMALL, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96, n_experts=4,
-                      top_k=2, moe_hidden_dim=96),
+    "tiny": ModelArgs(**_SMALL, **_DECISIVE, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
+                      n_experts=4, top_k=2, moe_hidden_dim=96),
 }  # fmt: skip
 
 
