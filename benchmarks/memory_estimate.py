@@ -205,8 +205,8 @@ def _rss_peak(opts, name: str, dump: str) -> tuple[int, int]:
     return common.spawn(_real_run, world, "cpu", opts, argv)[0], estimate_parts(cfg, world)["peak"]
 
 
-def measure(opts, name: str) -> dict[str, dict[str, int]]:
-    """Estimate, tracked and rss figures of one case (bytes, rank 0)."""
+def measure(opts, name: str, rss: bool = True) -> dict[str, dict[str, int]]:
+    """Estimate, tracked and (with rss) rss figures of one case (bytes, rank 0)."""
     world = CASES[name][0]
     opts = argparse.Namespace(**{**vars(opts), **(CASES[name][3] if len(CASES[name]) > 3 else {})})
     common.register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
@@ -214,6 +214,9 @@ def measure(opts, name: str) -> dict[str, dict[str, int]]:
         cfg = common.trainer_config(opts, dump, world, **_settings(name, opts))
         out = {"estimate": estimate_parts(cfg, world)}
         out["tracked"] = common.spawn(_tracked, world, "cpu", opts, name)[0]
+        if not rss:
+            out["rss"] = {}
+            return out
         rss, _ = _rss_peak(opts, name, dump)
         # The same run with a model too small to matter: what it adds is the host's (gloo, data loader, Python),
         # which on a GPU machine stays in host memory.
@@ -233,9 +236,9 @@ def rows_of(name: str, res: dict) -> list[list[str]]:
             got = res[kind].get(part)
             cells += ["-", "-"] if got is None else [f"{got / MiB:.1f}", f"{est / got:.3f}" if got else "-"]
         rows.append(cells)
-    host = res["rss"]["host"] / MiB
+    host = f"host share of the rss {res['rss']['host'] / MiB:.0f} MiB" if res["rss"] else "no real run"
     where = "backward" if res["tracked"].get("peak_in_backward") else "forward"
-    return [[f"{CASES[name][1]} (peak in {where}; host share of the rss {host:.0f} MiB)", "", "", "", "", ""]] + rows
+    return [[f"{CASES[name][1]} (peak in {where}; {host})", "", "", "", "", ""]] + rows
 
 
 def main(argv=None) -> None:
@@ -244,6 +247,7 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=32768, help="model vocabulary (embedding and output rows)")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES), help="which cases to run")
     p.add_argument("--json", help="also write the figures (bytes) to this file")
+    p.add_argument("--no-rss", nargs="*", default=[], help="cases measured by the tracker only (no real run)")
     opts = p.parse_args(argv)
     if opts.device == "cuda":
         raise SystemExit("--device cuda: this script measures CPU runs (FSDPMemTracker and RSS)")
@@ -254,7 +258,7 @@ def main(argv=None) -> None:
     )
     results, rows = {}, []
     for name in opts.cases:
-        results[name] = measure(opts, name)
+        results[name] = measure(opts, name, rss=name not in opts.no_rss)
         rows += rows_of(name, results[name])
     header = ["case / part", "estimate", "tracked", "est/tracked", "rss", "est/rss"]
     print(common.format_table(header, rows))

@@ -8,12 +8,13 @@ import pytest
 
 from helpers import run_benchmark
 
-pytestmark = pytest.mark.slow  # three cases of two processes each, three runs per case: about two minutes
+pytestmark = pytest.mark.slow  # three cases of two processes each, one or three runs per case: about 2.5 minutes
 
 TOLERANCE = 0.10
 # FSDP buffers in mixed precision with selective AC (peak at the end of forward); a peak in backward (full AC,
 # 6 blocks); tp shards
 CASES = ["fsdp2_bf16_op", "fsdp2_fp32_full_deep", "tp2_bf16"]
+TRACKER_ONLY = ["fsdp2_fp32_full_deep"]  # two real runs fewer (a minute); its parts are checked against the tracker
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory") / "figures.json"
     # No wall-clock limit: about 3.5 minutes on this project's 2-core machine, several times that on a slower one;
     # a rank that hangs is ended by the runs' own hang watch (training.hang_timeout_seconds) and gloo's timeout.
-    run_benchmark("memory_estimate.py", "--cases", *CASES, "--json", out, timeout=None)
+    run_benchmark("memory_estimate.py", "--cases", *CASES, "--no-rss", *TRACKER_ONLY, "--json", out, timeout=None)
     return json.loads(out.read_text())
 
 
@@ -34,7 +35,7 @@ def test_every_part_is_within_ten_percent_of_memtracker(measured, case):
         assert abs(est[part] / tracked[part] - 1) < TOLERANCE, (case, part, est[part], tracked[part])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [c for c in CASES if c not in TRACKER_ONLY])
 def test_peak_is_within_ten_percent_of_a_real_runs_peak_rss(measured, case):
     est, rss = measured[case]["estimate"]["peak"], measured[case]["rss"]["peak"]
     assert abs(est / rss - 1) < TOLERANCE, (case, est, rss)

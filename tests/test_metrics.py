@@ -32,7 +32,13 @@ def test_flops_per_token_8b_by_hand():
     non_embedding = 32 * per_layer + 4096 + 128256 * 4096  # + final norm + output projection
     assert non_embedding == 7_504_924_672
     counts = param_counts(args)
-    assert counts == {"total": 8_030_261_248, "embedding": embedding, "non_embedding": non_embedding}
+    assert counts == {
+        "total": 8_030_261_248,
+        "embedding": embedding,
+        "non_embedding": non_embedding,
+        "active": 8_030_261_248,  # a dense model computes every token with all of them
+        "active_non_embedding": non_embedding,
+    }
     # 6 x 7,504,924,672 + 12 x 32 layers x 32 heads x 128 x 8192 tokens
     assert flops_per_token(args, 8192) == 45_029_548_032 + 12_884_901_888 == 57_914_449_920
     assert flops_per_token(args, 2048) == 45_029_548_032 + 3_221_225_472

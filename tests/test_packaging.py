@@ -182,10 +182,12 @@ def test_no_module_outside_models_names_a_model_parameter():
     from titanlite.models.args import ModelArgs
 
     every_switch = ModelArgs(vocab_size=8, qk_norm=True, qkv_bias=True, tie_embeddings=False)
-    names = set(every_switch.parameter_shapes())
-    generic = {"layers", "attention", "weight", "bias", "norm", "output"} | {str(i) for i in range(99)}
+    moe = every_switch.with_overrides(n_experts=4, top_k=2, moe_hidden_dim=8)
+    names = set(every_switch.parameter_shapes()) | set(moe.parameter_shapes()) | {"layers.0.feed_forward.expert_bias"}
+    generic = {"layers", "attention", "weight", "bias", "norm", "output", "experts", "router"}  # also plain words
+    generic |= {str(i) for i in range(99)}
     parts = {p for n in names for p in n.split(".")} - generic
-    assert {"wq", "w1", "q_norm", "tok_embeddings", "feed_forward"} <= parts
+    assert {"wq", "w1", "q_norm", "tok_embeddings", "feed_forward", "expert_bias"} <= parts
     pattern = re.compile(r"\b(" + "|".join(sorted(parts)) + r")\b|\b(output|norm)\.weight\b")
     problems = []
     for path in (ROOT / "titanlite").rglob("*.py"):

@@ -303,7 +303,7 @@ def test_the_builtin_datasets_need_no_datasets_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
     for name in ("builtin", "builtin_chat"):
         chat = ["--data.format", "chat"] if name == "builtin_chat" else []
-        cfg = _cfg(tmp_path, name, *chat)
+        cfg = _cfg(tmp_path, name, *chat, seq_len=256)  # conversations whole enough to hold a reply
         step = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1).next_step()
         assert step.global_tokens > 0, name
 
@@ -316,7 +316,7 @@ def test_global_counts_are_exact_and_per_rank_work_follows_the_local_batch(tmp_p
     real_locate = Blend.locate
     monkeypatch.setattr(Blend, "locate", lambda self, k: located.append(k) or real_locate(self, k))
     for dataset, extra in (("builtin_chat", ["--data.format", "chat"]), (f"builtin:3,{docs_jsonl}:1", [])):
-        cfg = _cfg(tmp_path, dataset, *extra, "--data.prefetch", "0", global_batch=64, local_batch=1)
+        cfg = _cfg(tmp_path, dataset, *extra, "--data.prefetch", "0", global_batch=64, local_batch=1, seq_len=256)
         loader = build_loader(cfg, ByteTokenizer(), "training", dp_rank=5, dp_degree=64)
         # windows 0..N of the first source and their epoch boundaries: brute force over the global batch
         for first in (0, 64 * 7, loader.layouts[0].num_windows * 3 - 20):

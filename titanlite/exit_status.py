@@ -9,10 +9,12 @@ finished run into a failed one: a status that cannot be written (a full or read-
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,11 +57,28 @@ def record_failure(kind: str, message: str, rank: int) -> bool:
 
 def report_user_error(message: str, every_rank_alike: bool = False) -> None:
     """Tell a user error (a ConfigError's message) once: to the launcher that asked (it prints the lowest rank's),
-    else on stderr; every_rank_alike: the error is the same on every rank (generate's), so without a launcher
-    only rank 0 prints it."""
+    else on stderr; every_rank_alike: the error is the same on every rank (generate's), so under a plain torchrun
+    only the first rank of this host to get there prints it (torchrun may stop the others before they could)."""
     rank = int(os.environ.get("RANK", "0"))
-    if not record_failure("config_error", message, rank) and (rank == 0 or not every_rank_alike):
-        print(f"config error: {message}", file=sys.stderr)
+    if record_failure("config_error", message, rank):
+        return
+    if every_rank_alike and "TORCHELASTIC_RUN_ID" in os.environ and not _first_to_tell():
+        return
+    print(f"config error: {message}", file=sys.stderr)
+
+
+def _first_to_tell() -> bool:
+    """Whether this is the first worker of this torchrun job on this host to report an error (a marker file that
+    exactly one worker manages to create)."""
+    job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    marker = Path(tempfile.gettempdir()) / f"titanlite-error-{hashlib.sha256(job.encode()).hexdigest()[:16]}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # a temp folder that cannot be written: better twice than never
+        return True
+    return True
 
 
 @dataclass

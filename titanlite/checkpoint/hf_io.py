@@ -35,6 +35,7 @@ from titanlite.models.hf_names import (
     hf_shapes,
     interleaved_to_half_split,
     is_grouped_experts,
+    is_routing_bias,
     rope_heads,
     stored_in_hf,
     to_hf_name,
@@ -238,9 +239,6 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     set_model_state_dict(model, sd)
 
 
-ROUTING_BIAS = "feed_forward.expert_bias"
-
-
 def warn_dropped_routing_bias(biases: dict[str, torch.Tensor], out: pathlib.Path) -> None:
     """Warn when an MoE's routing bias (moved by [moe] load_balance = "aux_free") is not zero: the HF architecture
     has none, so the exported model chooses its experts without it."""
@@ -303,7 +301,7 @@ def save_hf_sharded(
     args = model.args
     state = {}
     model_state = get_model_state_dict(model)
-    warn_dropped_routing_bias({n: t for n, t in model_state.items() if n.endswith(ROUTING_BIAS)}, out)
+    warn_dropped_routing_bias({n: t for n, t in model_state.items() if is_routing_bias(n)}, out)
     for name, t in model_state.items():
         if not stored_in_hf(name, args):
             continue
@@ -374,7 +372,7 @@ def export_hf(
     biases = {
         prefix + n: torch.empty(md.size, dtype=md.properties.dtype)
         for n, md in saved.items()
-        if n.endswith(ROUTING_BIAS)
+        if is_routing_bias(n)
     }
     if biases:
         read_in_this_process(biases, checkpoint)

@@ -65,6 +65,11 @@ def to_hf_name(name: str, args: ModelArgs | None = None) -> str:
     raise KeyError(f"no HuggingFace name for parameter {name!r}")
 
 
+def is_routing_bias(name: str) -> bool:
+    """Whether a state-dict entry is an MoE block's routing bias (a buffer no HF architecture has)."""
+    return name.endswith("feed_forward.expert_bias")
+
+
 def is_grouped_experts(name: str) -> bool:
     """Whether a parameter holds every expert of a layer, [experts, in, out] (HF keeps one [out, in] per expert)."""
     return ".feed_forward.experts.w" in name
