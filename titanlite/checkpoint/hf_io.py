@@ -370,9 +370,7 @@ def export_hf(
             f"{checkpoint} holds a tensor that no HF architecture of titanlite has ({e.args[0]})"
         ) from None
     biases = {
-        prefix + n: torch.empty(md.size, dtype=md.properties.dtype)
-        for n, md in saved.items()
-        if is_routing_bias(n)
+        prefix + n: torch.empty(md.size, dtype=md.properties.dtype) for n, md in saved.items() if is_routing_bias(n)
     }
     if biases:
         read_in_this_process(biases, checkpoint)
