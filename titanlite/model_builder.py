@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from titanlite.config import JobConfig
+from titanlite.dtypes import TORCH_DTYPES
+from titanlite.models.lora import apply_lora
 from titanlite.models.registry import model_class
 from titanlite.parallel.ac import apply_ac
 from titanlite.parallel.compile import apply_compile
@@ -44,10 +46,11 @@ def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
 def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False, expert_mesh=None) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
 
-    Training applies tensor parallelism (a "tp" mesh dimension), expert parallelism (an MoE model's experts over
-    `expert_mesh`'s "ep" ranks: ParallelDims.build_expert_mesh), [activation_checkpoint], [compile] and FSDP with the
-    configured reshard policy on the data-parallel sub-mesh (the experts on the expert mesh); inference applies
-    tensor parallelism without sequence or loss parallelism and FSDP, resharding every block after its forward.
+    Training applies tensor parallelism (a "tp" mesh dimension), [lora] adapters (models/lora.py: the base frozen),
+    expert parallelism (an MoE model's experts over `expert_mesh`'s "ep" ranks: ParallelDims.build_expert_mesh),
+    [activation_checkpoint], [compile] and FSDP with the configured reshard policy on the data-parallel sub-mesh (the
+    experts on the expert mesh); inference applies tensor parallelism without sequence or loss parallelism, the
+    adapters (unmerged) and FSDP, resharding every block after its forward.
     """
     with torch.device("meta"):
         model = model_class(cfg.model.name)(args)
@@ -62,6 +65,8 @@ def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False, expert_m
             loss_parallel=p.enable_loss_parallel and not inference,
             inference=inference,
         )
+    if cfg.lora.enable:  # adapters follow the tensor-parallel split of their projections; the rest is frozen
+        apply_lora(model, cfg.lora, base_dtype=None if inference else TORCH_DTYPES[cfg.lora.base_dtype])
     if args.moe:
         model.set_load_balance("none" if inference else cfg.moe.load_balance)
         if mesh is not None:

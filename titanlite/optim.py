@@ -14,10 +14,10 @@ def optimizer_hyperparameters(opt_cfg) -> dict:
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:
-    """AdamW (or Adam) over the model's (sharded) parameters: the fused kernel when they are all on an
-    accelerator, else the foreach (multi-tensor) implementation."""
+    """AdamW (or Adam) over the model's trainable (sharded) parameters (with LoRA: the adapters only): the fused
+    kernel when they are all on an accelerator, else the foreach (multi-tensor) implementation."""
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[opt_cfg.name]
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     on_accelerator = bool(params) and all(p.device.type not in ("cpu", "meta") for p in params)
     impl = {"fused": True} if on_accelerator else {"foreach": True}
     return cls(params, lr=opt_cfg.lr, **impl, **optimizer_hyperparameters(opt_cfg))

@@ -16,6 +16,7 @@ import torch
 
 from titanlite.checkpoint.catalog import checkpoint_folder, preflight
 from titanlite.checkpoint.hf_io import check_hf_weights
+from titanlite.checkpoint.lora_io import check_peft_folder
 from titanlite.checkpoint.resume import check_resume
 from titanlite.config import JobConfig
 from titanlite.data.build import check_data
@@ -24,6 +25,7 @@ from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
+from titanlite.models.lora import apply_lora, resolve_targets
 from titanlite.models.registry import FAMILIES, model_args, model_class
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.dims import ParallelDims
@@ -62,10 +64,54 @@ def resolve(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, int, int]:
 
 
 def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
-    """The model's state-dict shapes, from a model on the meta device (nothing allocated)."""
+    """The shapes a checkpoint of this run holds, from a model on the meta device (nothing allocated): the state
+    dict, or with LoRA what trains (the adapters) and the buffers."""
     with torch.device("meta"):
         model = model_class(cfg.model.name)(args)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if not cfg.lora.enable:
+        return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    apply_lora(model, cfg.lora)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in frozen}
+
+
+def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
+    """ConfigError when [lora] cannot train this model: no base to start from, a target the model lacks, a base
+    dtype that FSDP cannot gather with the adapters, an adapter folder that does not match, or a last save that
+    would drop the adapters."""
+    lora = cfg.lora
+    if not lora.enable:
+        if lora.initial_adapter_path:
+            raise ConfigError(
+                f"lora.initial_adapter_path = {lora.initial_adapter_path!r} is set but lora.enable = false; "
+                "set lora.enable = true to train (or continue) those adapters"
+            )
+        return
+    if not cfg.checkpoint.initial_load_path:
+        raise ConfigError(
+            "lora.enable = true trains adapters on a frozen base, but checkpoint.initial_load_path = '' gives none "
+            "(the base would be random weights); set it to the base model: a HuggingFace folder, a step-N "
+            "checkpoint or a consolidated file"
+        )
+    try:
+        resolve_targets(list(lora.targets), args)
+    except ValueError as e:
+        raise ConfigError(f"lora.targets = {lora.targets}: {e}") from None
+    if lora.base_dtype == "bfloat16" and cfg.training.mixed_precision_param != "bfloat16":
+        raise ConfigError(
+            "lora.base_dtype = 'bfloat16' keeps the frozen base in bfloat16, which FSDP gathers with the float32 "
+            f"adapters only when both are cast to one dtype; training.mixed_precision_param = "
+            f"{cfg.training.mixed_precision_param!r} would not cast them: set it to 'bfloat16', or lora.base_dtype "
+            "= 'float32'"
+        )
+    if cfg.checkpoint.last_save_in_hf:
+        raise ConfigError(
+            "checkpoint.last_save_in_hf = true writes the base weights without the adapters under LoRA; set it to "
+            "false and export the checkpoint: python -m titanlite.checkpoint export --format peft (the adapters) "
+            "or --format hf (merged)"
+        )
+    if lora.initial_adapter_path:
+        check_peft_folder(Path(lora.initial_adapter_path).expanduser(), lora, args)
 
 
 def machine_memory(device_type: str) -> int:
@@ -208,6 +254,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
     check_tensor_parallel(cfg, dims, args)
     check_experts(cfg, dims, args)
+    check_lora(cfg, args)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
         raise ConfigError(

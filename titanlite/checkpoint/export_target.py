@@ -17,7 +17,15 @@ from pathlib import Path
 from titanlite.errors import ConfigError
 
 # What makes a folder "hold a model" (weights, its config or its tokenizer).
-MODEL_FILES = ("*.safetensors", "*.bin", "*.pt", "config.json", "tokenizer.json", "tokenizer_config.json")
+MODEL_FILES = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "adapter_config.json",
+)
 
 
 def check_target(output: Path, folder: bool, overwrite: bool, checkpoint: Path | None = None) -> None:

@@ -23,6 +23,7 @@ from titanlite.checkpoint.hf_io import load_hf_weights
 from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import is_hf_folder
+from titanlite.models.lora import is_adapter
 
 logger = logging.getLogger("titanlite")
 
@@ -39,20 +40,35 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
             raise ConfigError(
                 f"checkpoint.initial_load_path = {str(path)!r} is not a readable DCP checkpoint: {e}"
             ) from None
-        model_sd = get_model_state_dict(model)
+        model_sd = _base_state(model)
         prefix = model_prefix(metadata)
-        check_model_fits(model_sd, saved_shapes(metadata, prefix), str(path))
+        check_model_fits(model_sd, saved_shapes(metadata, prefix), str(path), _hint(metadata, prefix))
         try:
             safe_dcp_load({"model": model_sd} if prefix else model_sd, path)
         except CheckpointException as e:
             raise unreadable(path, e) from None
-        set_model_state_dict(model, model_sd)
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))
     else:
-        model_sd = get_model_state_dict(model)
+        model_sd = _base_state(model)
         full = load_consolidated(path)
         check_model_fits(model_sd, {k: tuple(v.shape) for k, v in full.items()}, str(path))
         # Every rank maps the file and keeps its own shard of each tensor.
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
     logger.info(
         f"Loaded initial model weights from {path} in {time.perf_counter() - t0:.1f} s (checkpoint.initial_load_path)"
     )
+
+
+def _base_state(model: torch.nn.Module) -> dict:
+    """The model's state dict without LoRA adapters (a base holds none; they start new or from their own folder)."""
+    return {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
+
+
+def _hint(metadata, prefix: str) -> str | None:
+    """A LoRA checkpoint's adapters given as a base: say what it is."""
+    if any(is_adapter(k[len(prefix) :]) for k in metadata.state_dict_metadata if k.startswith(prefix)):
+        return (
+            "; it is a LoRA checkpoint (adapters, no base): give its base as checkpoint.initial_load_path and the "
+            "adapters as lora.initial_adapter_path (export them with --format peft), or export it merged (--format hf)"
+        )
+    return None

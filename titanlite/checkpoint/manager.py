@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from titanlite.checkpoint.base_identity import FILE as LORA_BASE
+from titanlite.checkpoint.base_identity import fingerprint
+from titanlite.checkpoint.base_identity import write as write_lora_base
 from titanlite.checkpoint.catalog import (
     STEP_PREFIX,
     TMP_PREFIX,
@@ -44,6 +46,7 @@ from titanlite.checkpoint.data_identity import check_unchanged
 from titanlite.checkpoint.data_identity import write as write_data_identity
 from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.integrity import seal, write_rank_manifest
+from titanlite.checkpoint.lora_io import check_lora_resume, load_peft_adapter
 from titanlite.checkpoint.parts import ModelPart, OptimizerPart, SchedulerPart, TrainStatePart
 from titanlite.checkpoint.resume import (
     check_model_matches,
@@ -92,8 +95,11 @@ class CheckpointManager:
         self.wanted = wanted_parts(cfg)
         self.model, self.dataloader = model, dataloader
         self.saved_steps: set[int] = set()  # steps this run wrote (retention says when it removes older runs')
+        # LoRA: checkpoints hold the adapters; the base is checkpoint.initial_load_path's, identified by fingerprint.
+        self.lora = cfg.lora.enable
+        self.lora_base = fingerprint(cfg.checkpoint.initial_load_path) if self.lora else None
         self.parts = {
-            "model": ModelPart(model),
+            "model": ModelPart(model, trainable_only=self.lora),
             "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer)),
             "lr_scheduler": SchedulerPart(lr_scheduler, optimizer, cfg.optimizer.lr),
             "dataloader": dataloader,
@@ -112,12 +118,15 @@ class CheckpointManager:
 
     def load(self) -> bool:
         """Resume from checkpoint.load_step or the newest complete, intact checkpoint; else start from
-        checkpoint.initial_load_path if set. True when a checkpoint was resumed."""
+        checkpoint.initial_load_path if set (with LoRA: the base always, then the adapters of the checkpoint or of
+        lora.initial_adapter_path). True when a checkpoint was resumed."""
         info = self._choose() if self.enabled else None
+        if self.cfg.initial_load_path and (info is None or self.lora):
+            load_initial_weights(self.model, Path(self.cfg.initial_load_path))
         if info is not None:
             self._restore(info)
-        elif self.cfg.initial_load_path:
-            load_initial_weights(self.model, Path(self.cfg.initial_load_path))
+        elif self.lora and self.job_cfg.lora.initial_adapter_path:
+            load_peft_adapter(self.model, self.job_cfg.lora.initial_adapter_path, self.job_cfg.lora)
         if self.enabled:  # from here on a stop signal is honoured at the end of a step (with a save)
             self.signals.install()
         return info is not None
@@ -151,13 +160,17 @@ class CheckpointManager:
 
     def _restore(self, info: CheckpointInfo) -> None:
         t0 = time.perf_counter()
+        check_lora_resume(info.path, self.lora, self.lora_base)
         if self.data_identity is not None:
             now = self.data_identity if "dataloader" in self.wanted else {**self.data_identity, "sources": []}
             check_unchanged(info.path, now, self.cfg.allow_data_change)
         if "model" in self.wanted:
             check_model_matches(info.path, self.model.args)
             check_model_fits(
-                get_model_state_dict(self.model), saved_shapes(read_metadata(info.path), "model."), str(info.path)
+                self.parts["model"].state_dict(),
+                saved_shapes(read_metadata(info.path), "model."),
+                str(info.path),
+                "; was it saved with another lora.rank or lora.targets?" if self.lora else None,
             )
         # DCP calls each part's state_dict() for the destination and load_state_dict() afterwards.
         try:
@@ -225,7 +238,8 @@ class CheckpointManager:
         """
         self._wait_pending()  # one save at a time: the previous one is committed first
         if model_only:
-            state = {"model": ModelPart(self.model, TORCH_DTYPES[self.cfg.export_dtype]).state_dict()}
+            model = ModelPart(self.model, TORCH_DTYPES[self.cfg.export_dtype], trainable_only=self.lora)
+            state = {"model": model.state_dict()}
         else:
             state = {name: part.state_dict() for name, part in self.parts.items()}
         tmp = self.folder / f"{TMP_PREFIX}{step}"
@@ -334,7 +348,9 @@ class CheckpointManager:
             write_data_identity(tmp, self.data_identity)
         if hasattr(self.model, "args"):
             (tmp / "model_args.json").write_text(json.dumps(args_to_dict(self.model.args), indent=2) + "\n")
-        seal(tmp, self.world, [".metadata", *RUN_FILES])
+        if self.lora_base is not None:
+            write_lora_base(tmp, self.lora_base)
+        seal(tmp, self.world, [".metadata", *RUN_FILES, *([LORA_BASE] if self.lora_base else [])])
         if final.exists():  # an earlier save of the same step (a rerun from an older checkpoint)
             logger.warning(
                 f"Replacing {final}, written by an earlier run (this run resumed from an older checkpoint and "

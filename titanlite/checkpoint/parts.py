@@ -10,6 +10,7 @@ import random
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -19,19 +20,23 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 
 class ModelPart(Stateful):
-    """The model's parameters under their plain names; `dtype` casts floating tensors on save (export)."""
+    """The model's parameters under their plain names; `dtype` casts floating tensors on save (export).
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
+    trainable_only (LoRA): only what trains (the adapters) and the buffers; the frozen base is left to its own
+    folder (checkpoint.initial_load_path), loaded before this part."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, trainable_only: bool = False):
         self.model, self.dtype = model, dtype
+        self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
 
     def state_dict(self) -> dict:
-        sd = get_model_state_dict(self.model)
+        sd = get_model_state_dict(self.model, options=self.options)
         if self.dtype is not None:
             sd = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in sd.items()}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, state_dict, options=self.options)
 
 
 class OptimizerPart(Stateful):

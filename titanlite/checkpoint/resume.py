@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from titanlite.checkpoint.base_identity import fingerprint
+from titanlite.checkpoint.base_identity import read as read_lora_base
 from titanlite.checkpoint.catalog import (
     checkpoint_folder,
     newest_usable,
@@ -23,6 +25,7 @@ from titanlite.checkpoint.catalog import (
 )
 from titanlite.checkpoint.consolidated import check_model_fits, saved_shapes
 from titanlite.checkpoint.integrity import quick_problems, rank_problems
+from titanlite.checkpoint.lora_io import check_lora_resume
 from titanlite.config import JobConfig, load
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
@@ -187,5 +190,9 @@ def check_resume(cfg: JobConfig, args: ModelArgs, model_shapes: dict[str, tuple]
         return
     if c.load_step >= 0 and (problems := quick_problems(info.path)):
         raise ConfigError(f"checkpoint.load_step = {c.load_step}: {info.path} is corrupt: {'; '.join(problems[:3])}")
+    if cfg.lora.enable or read_lora_base(info.path) is not None:
+        base = fingerprint(cfg.checkpoint.initial_load_path) if cfg.lora.enable else None
+        check_lora_resume(info.path, cfg.lora.enable, base)
     check_model_matches(info.path, args)
-    check_model_fits(model_shapes, saved_shapes(read_metadata(info.path), "model."), str(info.path))
+    hint = "; was it saved with another lora.rank or lora.targets?" if cfg.lora.enable else None
+    check_model_fits(model_shapes, saved_shapes(read_metadata(info.path), "model."), str(info.path), hint)

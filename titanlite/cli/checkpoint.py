@@ -2,11 +2,13 @@
 
     python -m titanlite.checkpoint export --checkpoint DIR --output FILE [--dtype bfloat16] [--overwrite]
     python -m titanlite.checkpoint export --checkpoint DIR --output FOLDER --format hf [--dtype bfloat16] [--overwrite]
+    python -m titanlite.checkpoint export --checkpoint DIR --output FOLDER --format peft [--overwrite]
 
 DIR is a step-N folder or a checkpoint folder (its newest step). The HF export reads the model's shape
-and the tokenizer from the job_config.toml and model_args.json saved in the step folder. An existing output
-file, or a folder that holds a model, is replaced only with --overwrite (whole, never mixed); a folder holding
-anything else, or the checkpoint itself, never is; a failed export leaves no partial output.
+and the tokenizer from the job_config.toml and model_args.json saved in the step folder. A LoRA checkpoint
+exports its adapters as a peft folder (adapter_config.json + adapter_model.safetensors), or, as hf, merged into
+its base. An existing output file, or a folder that holds a model, is replaced only with --overwrite (whole, never
+mixed); a folder holding anything else, or the checkpoint itself, never is; a failed export leaves no partial output.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import export, model_prefix, resolve_step
 from titanlite.checkpoint.export_target import check_target, write_atomically
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_FILE_BYTES, export_hf
+from titanlite.checkpoint.lora_export import export_merged, export_peft, lora_base_of
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
@@ -38,9 +41,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ex.add_argument("--output", required=True, help="file (consolidated) or folder (hf) to write")
     ex.add_argument(
         "--format",
-        choices=("consolidated", "hf"),
+        choices=("consolidated", "hf", "peft"),
         default="consolidated",
-        help="consolidated: torch.save of {name: tensor}; hf: config.json + sharded safetensors",
+        help="consolidated: torch.save of {name: tensor}; hf: config.json + sharded safetensors (a LoRA checkpoint: "
+        "merged into its base); peft: a LoRA checkpoint's adapters as a peft adapter folder",
     )
     ex.add_argument(
         "--dtype", choices=list(TORCH_DTYPES), default=None, help="cast floating tensors (default: as saved)"
@@ -64,6 +68,9 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
         metadata = read_metadata(step)
     except ValueError as e:
         raise ConfigError(f"--checkpoint {step} is not a usable DCP checkpoint: {e}") from None
+    if lora_base_of(step) is not None:
+        cast = TORCH_DTYPES[dtype] if dtype else None
+        return write_atomically(output, True, lambda tmp: export_merged(step, tmp, cast, max_file_bytes))
     saved_args, cfg = saved_model_args(step), saved_job_config(step)
     if saved_args is None or cfg is None:
         raise ConfigError(
@@ -93,7 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_shard_size <= 0:
             raise ConfigError(f"--max-shard-size {args.max_shard_size} is not valid; expected bytes > 0")
-        check_target(Path(args.output), args.format == "hf", args.overwrite, Path(args.checkpoint))
+        check_target(Path(args.output), args.format != "consolidated", args.overwrite, Path(args.checkpoint))
+        if args.format == "peft":
+            step = resolve_step(Path(args.checkpoint))
+            cast = TORCH_DTYPES[args.dtype] if args.dtype else None
+            n = write_atomically(Path(args.output), True, lambda tmp: export_peft(step, tmp, cast))
+            print(f"wrote {args.output}: peft adapter folder, {n} tensors, dtype {args.dtype or 'as saved'}")
+            return 0
         if args.format == "hf":
             n = export_to_hf(Path(args.checkpoint), Path(args.output), args.dtype, args.max_shard_size)
             print(f"wrote {args.output}: HuggingFace folder, {n} tensors, dtype {args.dtype or 'as saved'}")

@@ -7,6 +7,7 @@ loaded from TOML and `--section.key value` overrides
 
 from titanlite.config.fields import DTYPE_NAMES
 from titanlite.config.loader import CONFIG_DIR, gradient_sync_mode, load, resolve_config_file, to_toml, validate
+from titanlite.config.lora import LORA_TARGETS, Lora
 from titanlite.config.parallelism import GRADIENT_SYNC, Parallelism
 from titanlite.config.reference import help_text, markdown_reference
 from titanlite.config.sections import (
@@ -42,7 +43,9 @@ __all__ = [
     "ConfigError",
     "Job",
     "JobConfig",
+    "LORA_TARGETS",
     "LRScheduler",
+    "Lora",
     "Metrics",
     "MoE",
     "Model",

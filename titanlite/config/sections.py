@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from titanlite.config.fields import DTYPE, POSITIVE, fraction, non_negative, one_of, positive, setting
+from titanlite.config.lora import Lora
 from titanlite.config.parallelism import Parallelism
 from titanlite.models.registry import FAMILIES
 
@@ -371,6 +372,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: MoE = field(default_factory=MoE)
+    lora: Lora = field(default_factory=Lora)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -21,6 +21,7 @@ from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
 from titanlite.models.chunked_loss import chunked_linear_cross_entropy
 from titanlite.models.kv_cache import KVCache, LayerKV
+from titanlite.models.lora import adapter_init, is_adapter
 from titanlite.models.moe import MoE, aux_loss_sum, moe_layers, record_forward
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 
@@ -227,6 +228,8 @@ class Transformer(nn.Module):
 
     def _init_rule(self, name: str) -> Callable[[torch.Tensor, torch.Generator], None]:
         a = self.args
+        if is_adapter(name):
+            return adapter_init(name)
         if name.endswith("norm.weight"):
             return lambda t, g: t.fill_(1.0)
         if name.endswith(".bias"):

@@ -1,0 +1,73 @@
+"""Exports of a LoRA checkpoint, in one process: its adapters as a peft folder, or base + adapters merged into a
+HuggingFace folder. Both check first that the base the checkpoint records is still the one at its path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from titanlite.checkpoint.base_identity import check_same_base, fingerprint
+from titanlite.checkpoint.base_identity import read as read_lora_base
+from titanlite.checkpoint.catalog import read_metadata
+from titanlite.checkpoint.consolidated import model_prefix
+from titanlite.checkpoint.hf_io import save_hf_sharded
+from titanlite.checkpoint.initial import load_initial_weights
+from titanlite.checkpoint.lora_io import saved_adapters, write_peft
+from titanlite.checkpoint.resume import saved_job_config, saved_model_args
+from titanlite.data.tokenizers import build_tokenizer
+from titanlite.errors import ConfigError
+from titanlite.model_builder import build_model
+from titanlite.models.args import args_from_dict
+from titanlite.models.lora import merge_adapters
+
+
+def lora_base_of(step: Path) -> dict | None:
+    """The base a LoRA checkpoint records, checked against what its path holds now; None: not a LoRA checkpoint."""
+    saved = read_lora_base(step)
+    if saved is None:
+        return None
+    base = Path(str(saved.get("path", "")))
+    if not base.exists():
+        raise ConfigError(
+            f"{step} holds LoRA adapters trained on the base {base}, which is not there any more; the adapters "
+            "alone can still be exported with --format peft"
+        )
+    check_same_base(saved, fingerprint(base), str(step))
+    return saved
+
+
+def _run_of(step: Path):
+    cfg, saved_args = saved_job_config(step), saved_model_args(step)
+    if cfg is None or saved_args is None:
+        raise ConfigError(f"--checkpoint {step} has no readable job_config.toml / model_args.json")
+    return cfg, args_from_dict(saved_args)
+
+
+def export_peft(step: Path, output: Path, dtype: torch.dtype | None) -> int:
+    """Write a LoRA checkpoint's adapters as a peft folder; returns the number of tensors."""
+    if read_lora_base(step) is None:
+        raise ConfigError(f"--checkpoint {step} is not a LoRA checkpoint (it has no lora_base.json): nothing to export")
+    cfg, args = _run_of(step)
+    adapters = saved_adapters(step, model_prefix(read_metadata(step)))
+    return write_peft(output, adapters, args, cfg.lora, str(read_lora_base(step).get("path")), dtype)
+
+
+@torch.no_grad()
+def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_bytes: int) -> int:
+    """Write base + a LoRA checkpoint's adapters merged (W + alpha/r B A) as a HF folder; holds the whole model in
+    memory (in float32); returns the number of adapted projections."""
+    base = lora_base_of(step)
+    cfg, args = _run_of(step)
+    model = build_model(cfg, args, None, inference=True).model
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_initial_weights(model, Path(base["path"]))
+    adapters = saved_adapters(step, model_prefix(read_metadata(step)))
+    missing, unexpected = model.load_state_dict(adapters, strict=False)
+    if unexpected:
+        raise ConfigError(f"--checkpoint {step} holds {unexpected[0]}, which its [lora] settings do not make")
+    merge_adapters(model)
+    out_dtype = dtype or next(iter(adapters.values())).dtype
+    save_hf_sharded(model, output, out_dtype, build_tokenizer(cfg.model.tokenizer_path), max_file_bytes)
+    return len(adapters) // 2

@@ -1,0 +1,43 @@
+"""The [lora] section: low-rank adapters on a frozen base model (docs/lora.md). No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlite.config.fields import POSITIVE, fraction, one_of, positive, setting
+
+# The projections an adapter can sit on, by the role names HF and peft use in every family.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BASE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class Lora:
+    enable: bool = setting(
+        False,
+        "train low-rank adapters on a frozen base (checkpoint.initial_load_path) instead of the full weights",
+    )
+    rank: int = setting(16, "rank r of each adapter (A: r x in, B: out x r)", positive, POSITIVE)
+    alpha: float = setting(32.0, "scale of each adapter's output: alpha / rank (peft's lora_alpha)", positive, POSITIVE)
+    dropout: float = setting(
+        0.0, "dropout on an adapter's input in training (peft's lora_dropout)", fraction, "0 <= p < 1"
+    )
+    targets: list[str] = setting(
+        ["all"],
+        "projections that get adapters: any of " + ", ".join(LORA_TARGETS) + "; 'all' = every one the model has "
+        "as a dense projection (an MoE family's experts get none: its attention projections)",
+        lambda v: bool(v) and (v == ["all"] or set(v) <= set(LORA_TARGETS)),
+        "'all' or a non-empty list of " + ", ".join(LORA_TARGETS),
+    )
+    base_dtype: str = setting(
+        "float32",
+        "dtype the frozen base weights are kept in: float32, or bfloat16 (half the memory, no fp32 copy; needs "
+        "training.mixed_precision_param = bfloat16); adapters and their optimizer state stay float32",
+        one_of(*BASE_DTYPES),
+        " or ".join(BASE_DTYPES),
+    )
+    initial_adapter_path: str = setting(
+        "",
+        "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from; "
+        "'' = new adapters (A random, B zero); unused when resuming",
+    )

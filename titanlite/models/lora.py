@@ -1,0 +1,235 @@
+"""LoRA: low-rank adapters on a decoder's projections, by the role names every family shares (peft's names).
+
+An adapted projection stays the nn.Linear it was (its weight keeps its name and, under tensor parallelism, its
+split) and gains two children: `lora_a` (rank x in) and `lora_b` (out x rank), so that
+y = x W^T + b + (alpha / rank) * B(A(dropout(x))). A starts as peft starts it (Kaiming-uniform, drawn from the
+init generator of its own name: the same adapters at any topology) and B at zero, so the adapted model starts as
+the base. Under tensor parallelism each adapter follows its base matmul's split: a column-split projection gets a
+whole A and a column-split B, a row-split one a row-split A (its partial sums join the base's before the
+reduction) and a whole B. Every other parameter is frozen.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from titanlite.models.args import ModelArgs
+from titanlite.models.hf_names import half_split_to_interleaved, interleaved_to_half_split, rope_heads, to_hf_name
+
+# Role -> the projection it names inside a transformer block.
+ROLE_MODULES = {
+    "q_proj": "attention.wq",
+    "k_proj": "attention.wk",
+    "v_proj": "attention.wv",
+    "o_proj": "attention.wo",
+    "gate_proj": "feed_forward.w1",
+    "up_proj": "feed_forward.w3",
+    "down_proj": "feed_forward.w2",
+}
+MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
+ADAPTER_A, ADAPTER_B = "lora_a", "lora_b"
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (A or B)."""
+    return f".{ADAPTER_A}." in name or f".{ADAPTER_B}." in name
+
+
+def resolve_targets(targets: list[str], args: ModelArgs) -> list[str]:
+    """The roles that get adapters: ['all'] is every dense projection of the model (an MoE's experts are not dense
+    projections: its attention ones); ValueError for an MLP role of an MoE model."""
+    if targets == ["all"]:
+        return [r for r in ROLE_MODULES if not (args.moe and r in MLP_ROLES)]
+    if args.moe and (mlp := [r for r in targets if r in MLP_ROLES]):
+        raise ValueError(
+            f"{', '.join(mlp)}: the {args.family} model's feed-forward is a Mixture of Experts, whose experts get no "
+            f"adapters; valid targets for it: {', '.join(r for r in ROLE_MODULES if r not in MLP_ROLES)} (or 'all')"
+        )
+    return list(targets)
+
+
+def adapter_init(name: str):
+    """The init of an adapter parameter as fn(tensor, generator): A as peft's (Kaiming-uniform), B zero."""
+    if f".{ADAPTER_B}." in name:
+        return lambda t, g: t.zero_()
+    return lambda t, g: nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with a low-rank adapter (the class an adapted projection is switched to)."""
+
+    lora_a: nn.Linear
+    lora_b: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scaling
+
+
+def _adapter_weights(linear: nn.Linear, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty A and B for `linear`, split as its weight is (tensor parallelism) or plain."""
+    w = linear.weight
+    a = torch.empty(rank, linear.in_features, device=w.device, dtype=torch.float32)
+    b = torch.empty(linear.out_features, rank, device=w.device, dtype=torch.float32)
+    if not isinstance(w, DTensor):
+        return a, b
+    (placement,) = w.placements
+    if placement == Shard(0):  # column-parallel: x whole, out split
+        a_place, b_place = Replicate(), Shard(0)
+    elif placement == Shard(1):  # row-parallel: x split, partial sums reduced after the module
+        a_place, b_place = Shard(1), Replicate()
+    else:
+        a_place = b_place = Replicate()
+    mesh = w.device_mesh
+    return (
+        distribute_tensor(a, mesh, [a_place], src_data_rank=None),
+        distribute_tensor(b, mesh, [b_place], src_data_rank=None),
+    )
+
+
+def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+    """Give `linear` an adapter of this rank (call on the meta device, after tensor parallelism)."""
+    a, b = _adapter_weights(linear, rank)
+    linear.lora_a = nn.Linear(linear.in_features, rank, bias=False, device="meta")
+    linear.lora_b = nn.Linear(rank, linear.out_features, bias=False, device="meta")
+    linear.lora_a.weight = nn.Parameter(a)
+    linear.lora_b.weight = nn.Parameter(b)
+    linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    linear.scaling = alpha / rank
+    linear.__class__ = LoRALinear
+
+
+def adapted_modules(model: nn.Module, roles: list[str]) -> dict[str, nn.Linear]:
+    """Qualified name -> projection of every block's targeted roles, in model order."""
+    wanted = {ROLE_MODULES[r] for r in roles}
+    out = {}
+    for i, block in enumerate(model.layers):
+        for path in ROLE_MODULES.values():  # model order within a block
+            if path in wanted:
+                out[f"layers.{i}.{path}"] = block.get_submodule(path)
+    return out
+
+
+def apply_lora(model: nn.Module, lora_cfg, base_dtype: torch.dtype | None = None) -> int:
+    """Adapters on the [lora] targets of every block, everything else frozen (and cast to base_dtype when given);
+    call after tensor parallelism and before activation checkpointing, compile and FSDP. Returns the adapters made."""
+    modules = adapted_modules(model, resolve_targets(list(lora_cfg.targets), model.args))
+    for linear in modules.values():
+        add_adapter(linear, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout)
+    adapters = {id(p) for m in modules.values() for p in (m.lora_a.weight, m.lora_b.weight)}
+    cast: dict[int, nn.Parameter] = {}  # one new parameter per old one: a tied weight stays tied
+    for module in model.modules():
+        for leaf, p in list(module.named_parameters(recurse=False)):
+            if id(p) in adapters:
+                continue
+            if base_dtype is not None and p.dtype != base_dtype:
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.detach().to(base_dtype), requires_grad=False)
+                setattr(module, leaf, cast[id(p)])
+            else:
+                p.requires_grad_(False)
+    return len(modules)
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The adapter parameters' names, in model order."""
+    return [n for n, _ in model.named_parameters() if is_adapter(n)]
+
+
+def base_weight_name(adapter: str) -> str:
+    """The name of the weight an adapter parameter adapts (layers.0.attention.wq.lora_a.weight ->
+    layers.0.attention.wq.weight)."""
+    for key in (ADAPTER_A, ADAPTER_B):
+        if f".{key}." in adapter:
+            return adapter.replace(f".{key}.", ".")
+    raise ValueError(f"{adapter} is not an adapter parameter")
+
+
+def adapter_param_count(args: ModelArgs, roles: list[str], rank: int) -> int:
+    """Parameters the adapters of these roles add to the model."""
+    shapes = args.block_shapes()
+    total = 0
+    for role in roles:
+        out, inp = shapes[f"{ROLE_MODULES[role]}.weight"]
+        total += rank * (inp + out)
+    return total * args.n_layers
+
+
+# ---------------------------------------------------------------- peft's format
+
+PEFT_PREFIX = "base_model.model."  # peft's wrapper of a transformers model, as its saved keys begin
+
+
+def to_peft_name(name: str, args: ModelArgs) -> str:
+    """An adapter parameter's key in a peft adapter_model.safetensors."""
+    module = to_hf_name(base_weight_name(name), args).removesuffix(".weight")
+    return f"{PEFT_PREFIX}{module}.{'lora_A' if f'.{ADAPTER_A}.' in name else 'lora_B'}.weight"
+
+
+def _rope_rows(name: str, args: ModelArgs) -> int | None:
+    """Heads whose rows an adapter's B permutes between titanlite's and HF's q/k layouts (models/hf_names.py)."""
+    return rope_heads(base_weight_name(name), args) if f".{ADAPTER_B}." in name else None
+
+
+def to_peft(adapters: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Full adapter tensors by titanlite name -> peft's keys and layout."""
+    out = {}
+    for name, t in adapters.items():
+        heads = _rope_rows(name, args)
+        out[to_peft_name(name, args)] = (interleaved_to_half_split(t, heads) if heads else t).contiguous()
+    return out
+
+
+def from_peft(tensors: dict[str, torch.Tensor], names: list[str], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """peft's adapter tensors -> full tensors under the model's adapter names `names`; ValueError naming the first
+    adapter the file lacks or the first tensor the model has no adapter for."""
+    by_peft = {to_peft_name(n, args): n for n in names}
+    keys = {k.replace(".default.", ".") for k in tensors}  # a file saved with the adapter's name left in
+    if missing := [k for k in by_peft if k not in keys]:
+        raise ValueError(f"it has no {missing[0]} (and {len(missing) - 1} more missing)")
+    if extra := sorted(k for k in keys if k not in by_peft):
+        raise ValueError(f"it holds {extra[0]}, which this model's [lora] targets have no adapter for")
+    out = {}
+    for key, t in tensors.items():
+        name = by_peft[key.replace(".default.", ".")]
+        heads = _rope_rows(name, args)
+        out[name] = half_split_to_interleaved(t, heads) if heads else t
+    return out
+
+
+def peft_config(roles: list[str], rank: int, alpha: float, dropout: float, base: str) -> dict:
+    """adapter_config.json for peft's LoraConfig."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": list(roles),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> None:
+    """Fold every adapter into its base weight (W += scaling * B A) and zero B: the same function, no adapters
+    needed to compute it (a plain, unsharded model)."""
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            delta = (m.lora_b.weight.float() @ m.lora_a.weight.float()) * m.scaling
+            m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
+            m.lora_b.weight.zero_()
