@@ -145,6 +145,15 @@ def _resume_runs(tmp, base_path, other_base):
     return losses, refusal, logits
 
 
+def _start_from_peft(tmp, base_path, adapters):
+    """Step-0 logits of an FSDP run whose adapters start from a peft folder (lora.initial_adapter_path)."""
+    t = make_trainer(
+        lora_argv(tmp, base_path, "--lora.initial_adapter_path", str(adapters), "--training.local_batch_size", "4")
+    )
+    with torch.no_grad():
+        return _full(t.model(TOKENS)).clone()
+
+
 def _folder_bytes(path):
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -176,3 +185,15 @@ def test_resume_exports_and_peft(tmp_path, base):
         by_merged = merged.eval()(TOKENS).logits
     torch.testing.assert_close(by_peft, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(by_merged, logits, rtol=0, atol=1e-5)
+
+    # a run that starts from the peft folder starts where the checkpoint ended (FSDP(2): each rank its shards)
+    continued = run_distributed(_start_from_peft, 2, str(tmp_path / "from_peft"), base / "step-3", tmp_path / "peft")
+    torch.testing.assert_close(continued[0], logits, rtol=0, atol=1e-6)
+
+    # generate samples from base + adapters (unmerged, [lora] read from the checkpoint) as from the merged folder
+    greedy = ("--prompt", "The cat", "--max-new-tokens", "12", "--temperature", "0")
+    lora = run_module("titanlite.generate", "--checkpoint", step6, "--model.flavor", "tiny", *greedy)
+    merged = run_module("titanlite.generate", "--checkpoint", tmp_path / "hf", *greedy)
+    assert lora.returncode == 0 and merged.returncode == 0, lora.stderr + merged.stderr
+    assert "holds LoRA adapters (rank 4)" in lora.stderr
+    assert lora.stdout == merged.stdout and len(lora.stdout) > len("The cat")

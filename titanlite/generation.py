@@ -20,11 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from titanlite.checkpoint.base_identity import read as read_lora_base
 from titanlite.checkpoint.catalog import newest_usable, read_metadata, step_folders
 from titanlite.checkpoint.consolidated import check_model_fits, model_prefix, saved_shapes, unreadable
 from titanlite.checkpoint.hf_io import check_hf_weights, load_hf_weights
+from titanlite.checkpoint.initial import load_initial_weights
+from titanlite.checkpoint.lora_export import lora_base_of
+from titanlite.checkpoint.parts import ModelPart
 from titanlite.checkpoint.resume import model_differences, saved_job_config, saved_model_args
 from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.config import JobConfig
@@ -32,6 +35,7 @@ from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
 from titanlite.models.hf_config import hf_folder, is_hf_folder, missing_weights_note
 from titanlite.models.kv_cache import KVCache
+from titanlite.models.lora import adapter_names
 from titanlite.models.registry import model_args
 
 logger = logging.getLogger("titanlite")
@@ -103,7 +107,15 @@ def check_weights_fit(model: torch.nn.Module, checkpoint: str | Path):
         metadata = read_metadata(path)
     except ValueError as e:
         raise ConfigError(f"--checkpoint {str(path)!r} is not a readable DCP checkpoint: {e}") from None
-    shapes = {name: tuple(t.shape) for name, t in get_model_state_dict(model).items()}
+    lora = read_lora_base(path) is not None
+    if lora != bool(adapter_names(model)):
+        raise ConfigError(
+            f"--checkpoint {str(path)!r} holds LoRA adapters but the config has lora.enable = false; pass the "
+            "config it was trained with"
+            if lora
+            else f"lora.enable = true, but --checkpoint {str(path)!r} holds full weights, not adapters; drop [lora]"
+        )
+    shapes = {name: tuple(t.shape) for name, t in ModelPart(model, trainable_only=lora).state_dict().items()}
     source = f"--checkpoint {str(path)!r}"
     check_model_fits(shapes, saved_shapes(metadata, model_prefix(metadata)), source, _saved_with(path, model.args))
     return metadata
@@ -117,14 +129,26 @@ def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
         return
     path = Path(checkpoint)
     metadata = check_weights_fit(model, path)
-    model_sd, prefix = get_model_state_dict(model), model_prefix(metadata)
+    base = lora_base_of(path)  # a LoRA checkpoint: its base first (checked to be the one it was trained on)
+    if base is not None:
+        load_initial_weights(model, Path(base["path"]))
+    part = ModelPart(model, trainable_only=base is not None)
+    model_sd, prefix = part.state_dict(), model_prefix(metadata)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             safe_dcp_load({"model": model_sd} if prefix else model_sd, path, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise unreadable(path, e) from None
-    set_model_state_dict(model, model_sd)
+    part.load_state_dict(model_sd)
+
+
+def lora_of_checkpoint(checkpoint: Path | None):
+    """The [lora] section a LoRA checkpoint was trained with (None: not one)."""
+    if checkpoint is None or is_hf_folder(checkpoint) or read_lora_base(checkpoint) is None:
+        return None
+    cfg = saved_job_config(checkpoint)
+    return cfg.lora if cfg is not None else None
 
 
 def _saved_with(path: Path, args) -> str | None:

@@ -25,7 +25,13 @@ from titanlite.data.tokenizers import build_tokenizer
 from titanlite.distributed import exit_process, init_distributed, pick_device, shutdown, world_size_from_env
 from titanlite.errors import ConfigError
 from titanlite.exit_status import report_user_error
-from titanlite.generation import generate_timed, inference_model, load_weights, resolve_checkpoint
+from titanlite.generation import (
+    generate_timed,
+    inference_model,
+    load_weights,
+    lora_of_checkpoint,
+    resolve_checkpoint,
+)
 from titanlite.metrics import setup_logging
 from titanlite.models.hf_config import hf_folder, is_hf_folder
 from titanlite.models.registry import family_of_folder, model_args
@@ -110,6 +116,9 @@ def run(argv: list[str]) -> str:
     ckpt_arg = args.checkpoint or str(checkpoint_folder(cfg))
     checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg, given=bool(args.checkpoint))
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    if not cfg.lora.enable and (lora := lora_of_checkpoint(checkpoint)) is not None:
+        cfg.lora = lora  # base + the adapters, unmerged, as they were trained
+        logger.info(f"{checkpoint} holds LoRA adapters (rank {lora.rank}): sampling from its base with them")
 
     expert_mesh = None
     if dims is None:  # one process: a plain, unsharded model and no process group
