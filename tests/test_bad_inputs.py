@@ -204,6 +204,51 @@ CHECKPOINTS = [
     ),
 ]
 
+
+def lora(*extra, base="{tmp}/run/checkpoint/step-4"):
+    """The tiny run with LoRA on the saved run's step 4 as its base."""
+    return train("--lora.enable", "true", "--checkpoint.initial_load_path", base, *extra)
+
+
+def _peft_folder(rank):
+    def setup(tmp):
+        import json
+
+        _copy_run(tmp)
+        (tmp / "adapter").mkdir()
+        (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
+
+    return setup
+
+
+LORA = [
+    Case("lora-rank-zero", "config", "train", lora("--lora.rank", "0"), ("lora.rank", "0", "a number > 0")),
+    Case("lora-target-unknown", "config", "train", lora("--lora.targets", "qkv"), ("lora.targets", "q_proj")),
+    Case("lora-dropout-one", "config", "train", lora("--lora.dropout", "1.0"), ("lora.dropout", "0 <= p < 1")),
+    Case("lora-without-base", "config", "train", train("--lora.enable", "true"),
+         ("lora.enable = true", "checkpoint.initial_load_path = ''")),
+    Case("lora-target-moe-experts", "config", "config",
+         ("--world-size", "1", "--model.name", "qwen3_moe", "--lora.enable", "true", "--lora.targets", "q_proj,up_proj",
+          "--checkpoint.initial_load_path", "{tmp}/run/checkpoint/step-4"),
+         ("lora.targets", "up_proj", "Mixture of Experts", "q_proj, k_proj, v_proj, o_proj"), setup=_copy_run),
+    Case("lora-bf16-base-fp32-compute", "config", "train", lora("--lora.base_dtype", "bfloat16"),
+         ("lora.base_dtype = 'bfloat16'", "training.mixed_precision_param = 'float32'"), setup=_copy_run),
+    Case("lora-last-save-in-hf", "config", "train", lora("--checkpoint.last_save_in_hf"),
+         ("checkpoint.last_save_in_hf", "--format peft"), setup=_copy_run),
+    Case("lora-adapter-without-lora", "config", "train", train("--lora.initial_adapter_path", "{tmp}/adapter"),
+         ("lora.initial_adapter_path", "lora.enable = false")),
+    Case("lora-adapter-of-another-rank", "checkpoint", "train",
+         lora("--lora.rank", "4", "--lora.initial_adapter_path", "{tmp}/adapter"),
+         ("lora.initial_adapter_path", "rank 8", "lora.rank"), setup=_peft_folder(8)),
+    Case("lora-resume-a-full-checkpoint", "checkpoint", "train",
+         resume("--training.steps", "8", "--lora.enable", "true", "--checkpoint.initial_load_path",
+                "{tmp}/run/checkpoint/step-2"),
+         ("{tmp}/run/checkpoint/step-4", "full-weight checkpoint", "lora.enable"), setup=_copy_run),
+    Case("export-peft-of-a-full-checkpoint", "export", "export",
+         ("export", "--checkpoint", "{tmp}/run/checkpoint/step-4", "--format", "peft", "--output", "{tmp}/out"),
+         ("{tmp}/run/checkpoint/step-4", "not a LoRA checkpoint"), setup=_copy_run),
+]  # fmt: skip
+
 FOLDERS = [
     Case(
         "checkpoint-folder-of-a-running-job",  # another dump folder, the same absolute checkpoint.folder
@@ -240,7 +285,7 @@ FOLDERS = [
 ]
 
 
-@pytest.mark.parametrize("case", CONFIG + NUMERIC + CHECKPOINTS + FOLDERS, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CONFIG + NUMERIC + CHECKPOINTS + LORA + FOLDERS, ids=lambda c: c.id)
 def test_bad_input(case, tmp_path, capsys, saved_run):
     SAVED[:] = [saved_run]
     check(case, tmp_path, capsys)
