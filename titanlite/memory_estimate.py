@@ -20,7 +20,8 @@ Selective k wraps every k-th block (C) and leaves the others at F. Fused GPU ker
 attention backends) save a little less, so on GPUs this is an upper bound by a few percent.
 
 Sharded state per rank is read from the sharded (meta) model: the local shard of every parameter
-(fp32 master weights), as many bytes of gradients, and AdamW's two fp32 moments.
+(fp32 master weights, or a LoRA base in lora.base_dtype), as many bytes of gradients, and AdamW's two fp32
+moments, for the parameters that train (with LoRA: the adapters only; a frozen base has neither).
 
 FSDP's unsharded tensors (a = compute dtype, r = reduce dtype, units in forward order) follow FSDP2's own
 schedule (torch/distributed/fsdp/_fully_shard). The step's peak is the largest of three moments:
@@ -68,6 +69,7 @@ def activation_bytes(
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
     ep: int = 1,
+    frozen_norms: bool = False,
 ) -> dict[str, int]:
     """Peak activation bytes of one microbatch of `tokens` tokens on one rank, by part (and 'total').
 
@@ -79,10 +81,11 @@ def activation_bytes(
     (each rank keeps its share of the heads and features; with sequence parallelism 1 / tp of the residual
     stream's tokens; with loss parallelism 1 / tp of the logits). ep: an MoE's expert parallelism, which adds the
     token exchange of one block beside its recompute, and headroom for routing imbalance: the busiest rank is taken to
-    receive EP_IMBALANCE times the average tokens for the experts' kept activations.
+    receive EP_IMBALANCE times the average tokens for the experts' kept activations. frozen_norms: the norms'
+    weights get no gradients (a LoRA base), so they keep less (ModelArgs.block_activation_bytes).
     """
     sp = tp > 1 and sequence_parallel
-    kept, rebuilt = block_bytes(args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel, ep)
+    kept, rebuilt = block_bytes(args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel, ep, frozen_norms)
     blocks = sum(kept)
     vocab = args.vocab_size // tp if loss_parallel or loss_chunk_tokens > 0 else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
@@ -94,7 +97,7 @@ def activation_bytes(
     recompute = max(rebuilt, default=0)
     parts = {
         "blocks": int(tokens * blocks),
-        "final norm": tokens * args.dim * (4 + 4 + act_bytes) // (tp if sp else 1),
+        "final norm": tokens * args.dim * (4 * (1 - frozen_norms) + 4 + act_bytes) // (tp if sp else 1),
         "loss or recompute": int(max(loss_tokens * loss, tokens * recompute)),
     }
     parts["total"] = sum(parts.values())
@@ -111,11 +114,12 @@ def block_bytes(
     tp: int = 1,
     sequence_parallel: bool = True,
     ep: int = 1,
+    frozen_norms: bool = False,
 ) -> tuple[list[int], list[int]]:
     """Per block (arguments as activation_bytes'): the bytes it keeps for backward, and the bytes its backward
     rebuilds on top of them (a checkpointed block's whole forward; 0 for the others; under expert parallelism also
     the token exchange, and the experts' share grows by EP_IMBALANCE)."""
-    per_block = dict(args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel))
+    per_block = dict(args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms))
     transient = 0.0
     if args.moe and ep > 1:
         for mode, experts in args.expert_activation_bytes(act_bytes, tp).items():
@@ -139,21 +143,24 @@ class ShardedState:
 
 
 def sharded_state_bytes(model, optimizer_states: int = 2) -> ShardedState:
-    """This rank's parameters (local shards, their own dtype), gradients (the same) and optimizer states (fp32)."""
-    params = optim = 0
+    """This rank's parameters (local shards, their own dtype), and for those that train their gradients (the same)
+    and optimizer states (fp32)."""
+    params = grads = optim = 0
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         params += local.numel() * local.element_size()
-        optim += optimizer_states * local.numel() * 4
-    return ShardedState(params=params, grads=params, optimizer=optim)
+        if p.requires_grad:
+            grads += local.numel() * local.element_size()
+            optim += optimizer_states * local.numel() * 4
+    return ShardedState(params=params, grads=grads, optimizer=optim)
 
 
-def unit_numels(model) -> list[int]:
+def unit_numels(model, trainable_only: bool = False) -> list[int]:
     """Parameter count of each fully_shard unit of the model as FSDP gathers it (root excluded): all of it, or
-    this rank's tensor-parallel share."""
+    this rank's tensor-parallel share; trainable_only: of the parameters that get gradients."""
     out = []
     for group in model.shard_groups():
-        seen = {id(p): p for m in group for p in m.parameters()}
+        seen = {id(p): p for m in group for p in m.parameters() if p.requires_grad or not trainable_only}
         out.append(sum(gathered_numel(p) for p in seen.values()))
     return out
 
@@ -186,13 +193,14 @@ def _kept_gathered(units: list[int], output_unit: int, param_bytes: int, reshard
     return 0
 
 
-def _unit_backward_buffers(units: list[int], k: int, a: int, r: int, prefetch: bool) -> int:
+def _unit_backward_buffers(units: list[int], k: int, a: int, r: int, prefetch: bool, grads: list[int]) -> int:
     """FSDP's buffers over unit k's backward: its parameters and gradient beside the reduce-scatter input of the unit
-    after it (freed at k's post-backward), then its own gradient and reduce-scatter input; unit k - 1 prefetched."""
-    n = units[k]
-    after = units[k + 1] if k + 1 < len(units) else 0
+    after it (freed at k's post-backward), then its own gradient and reduce-scatter input; unit k - 1 prefetched.
+    grads: the count of each unit's parameters that get gradients (all of them but a LoRA base's)."""
+    n, g = units[k], grads[k]
+    after = grads[k + 1] if k + 1 < len(units) else 0
     before = units[k - 1] if k and prefetch else 0
-    return max(n * (a + r), 2 * n * a + after * r) + before * a
+    return max(n * a + g * r, n * a + g * a + after * r) + before * a
 
 
 def forward_end_buffer_bytes(
@@ -202,12 +210,15 @@ def forward_end_buffer_bytes(
     reshard_after_forward: str,
     sharded: bool = True,
     loss_in_forward: bool = False,
+    output_trains: bool = True,
 ) -> int:
     """FSDP's buffers at the end of forward (units: gathered parameter counts in forward order; output_unit: the count
     of the unit that holds the output projection; sharded: the units are split over more than one rank;
     loss_in_forward: the loss in chunks runs inside the model's forward, making the output's gradient (compute
-    dtype) there while FSDP still holds the output unit's all-gather output)."""
-    gathered = output_unit * param_bytes * (1 + int(sharded and loss_in_forward) + int(loss_in_forward))
+    dtype) there while FSDP still holds the output unit's all-gather output; output_trains: the output projection
+    gets a gradient, which a frozen LoRA base's does not)."""
+    grad = loss_in_forward and output_trains
+    gathered = output_unit * param_bytes * (1 + int(sharded and loss_in_forward) + int(grad))
     return gathered + _kept_gathered(units, output_unit, param_bytes, reshard_after_forward)
 
 
@@ -236,14 +247,17 @@ def backward_peak(
     param_bytes: int,
     reduce_bytes: int,
     reshard_after_forward: str,
+    grad_units: list[int] | None = None,
 ) -> BackwardPeak:
     """Walk backward unit by unit (units in forward order; unit_blocks: the block each unit holds, or None; block_kept
     and block_rebuilt from block_bytes): at unit k, the blocks up to its own keep their activations (its own rebuilt
-    if checkpointed), and the units after it have their sharded share of grads (this rank's gradient bytes)."""
+    if checkpointed), and the units after it have their sharded share of grads (this rank's gradient bytes).
+    grad_units: each unit's count of parameters that get gradients (None: all of them)."""
     a, r = param_bytes, reduce_bytes
+    grad_units = units if grad_units is None else grad_units
     kept = _kept_gathered(units, output_unit, a, reshard_after_forward)
     first_block = next((k for k, b in enumerate(unit_blocks) if b is not None), len(units))
-    total_units = sum(units) or 1
+    total_units = sum(grad_units) or 1
     best = BackwardPeak(0, 0, 0)
     for k in range(len(units)):
         block = unit_blocks[k]
@@ -251,7 +265,7 @@ def backward_peak(
             act = sum(block_kept[: block + 1]) + block_rebuilt[block] + final_norm
         else:  # the embedding runs backward after every block, the output before them
             act = 0 if k < first_block else sum(block_kept) + final_norm
-        buffers = _unit_backward_buffers(units, k, a, r, reshard_after_forward != "never") + kept
-        moment = BackwardPeak(buffers, act, grads * sum(units[k + 1 :]) // total_units)
+        buffers = _unit_backward_buffers(units, k, a, r, reshard_after_forward != "never", grad_units) + kept
+        moment = BackwardPeak(buffers, act, grads * sum(grad_units[k + 1 :]) // total_units)
         best = max(best, moment, key=lambda m: m.total)
     return best

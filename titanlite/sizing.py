@@ -39,12 +39,14 @@ class MemoryEstimate:
     activations: dict[str, int]  # by part, with "total"
     backward: me.BackwardPeak  # the largest moment of backward
     units: list[int]  # parameter count of each fully_shard unit as gathered, in forward order
+    grad_units: list[int]  # of those, the parameters that get gradients (a LoRA base's do not)
     unit_blocks: list[int | None]  # the transformer block each unit is, or None
     output_unit: int  # parameter count of the output projection as gathered
     on_cpu: bool  # parameters, gradients and optimizer state offloaded to CPU memory
     grads_with_activations: bool  # gradients persist across microbatches (accumulation): both at the peak
     held_grads: int  # bytes of those gradients (last_microbatch_only: every unit's unsharded gradient)
     total_params: int  # model parameters (a tied weight once)
+    adapter_params: int  # LoRA: the adapters' parameters (0 without LoRA)
     setup_lines: list[str]  # the sharding lines of the start-up log
     ac_blocks: list[int]
     compiled: int
@@ -95,6 +97,7 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
         sequence_parallel=cfg.parallelism.enable_sequence_parallel,
         loss_parallel=plan.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,
         ep=plan.dims.ep,
+        frozen_norms=cfg.lora.enable,
     )
 
 
@@ -107,7 +110,16 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dic
     op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
     tp, sp = plan.dims.tp, cfg.parallelism.enable_sequence_parallel
     kept, rebuilt = me.block_bytes(
-        plan.model_args, tokens, act_bytes, est.ac_blocks, op_sac, ac.selective_op_policy, tp, sp, plan.dims.ep
+        plan.model_args,
+        tokens,
+        act_bytes,
+        est.ac_blocks,
+        op_sac,
+        ac.selective_op_policy,
+        tp,
+        sp,
+        plan.dims.ep,
+        cfg.lora.enable,
     )
     return me.backward_peak(
         est.units,
@@ -120,6 +132,7 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dic
         act_bytes,
         dtype_bytes(t.mixed_precision_reduce),
         cfg.parallelism.fsdp_reshard_after_forward,
+        est.grad_units,
     )
 
 
@@ -146,6 +159,9 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
         state = me.sharded_state_bytes(built.model)
         units = me.unit_numels(built.model)
+        grad_units = me.unit_numels(built.model, trainable_only=True)
+        output_trains = built.model.output.weight.requires_grad
+        adapters = sum(p.numel() for p in built.model.parameters() if p.requires_grad) if cfg.lora.enable else 0
         unit_blocks = me.unit_blocks(built.model)
         output_unit = me.gathered_numel(built.model.output.weight)
         sharded = plan.dims.dp_shard > 1
@@ -165,6 +181,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         cfg.parallelism.fsdp_reshard_after_forward,
         sharded=sharded,
         loss_in_forward=chunked_loss_tokens(cfg, plan.dims.tp) > 0,
+        output_trains=output_trains,
     )
     est = MemoryEstimate(
         params=state.params,
@@ -174,12 +191,14 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         activations=act,
         backward=me.BackwardPeak(0, 0, 0),
         units=units,
+        grad_units=grad_units,
         unit_blocks=unit_blocks,
         output_unit=output_unit,
         on_cpu=t.enable_cpu_offload,
         grads_with_activations=plan.grad_accum > 1,
-        held_grads=sum(units) * rbytes if sync == "last_microbatch_only" else state.grads,
+        held_grads=sum(grad_units) * rbytes if sync == "last_microbatch_only" else state.grads,
         total_params=total_params,
+        adapter_params=adapters,
         setup_lines=setup_lines,
         ac_blocks=built.ac_blocks,
         compiled=built.compiled,
@@ -204,6 +223,24 @@ def _moe_lines(args, dims) -> list[str]:
     ]
 
 
+def _params_text(cfg) -> str:
+    """What the parameters row holds: fp32, or a LoRA base in its dtype and the fp32 adapters."""
+    if not cfg.lora.enable:
+        return "fp32"
+    return f"base {'bf16' if cfg.lora.base_dtype == 'bfloat16' else 'fp32'} + fp32 adapter"
+
+
+def _lora_lines(cfg, est: MemoryEstimate) -> list[str]:
+    """What the report says of LoRA: the adapters' size and what the frozen base does without."""
+    if not cfg.lora.enable:
+        return []
+    share = est.adapter_params / max(est.total_params, 1)
+    return [
+        f"LoRA: rank {cfg.lora.rank}, {est.adapter_params / 1e6:.1f}M adapter parameters ({share:.2%} of the model); "
+        f"the frozen base ({cfg.lora.base_dtype}) has no gradients and no optimizer state"
+    ]
+
+
 def _activation_text(tokens: int, dtype: str, ac: str) -> str:
     """What the activations row counts, within its column (the dtype is left out when it does not fit)."""
     text = f"{tokens} tokens, {dtype}, {ac}"
@@ -220,6 +257,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
     usable = gpu_mem_gib * (1 - RESERVE_FRACTION)
     fits = gpu_total / GIB <= usable
     where_state = "CPU (offloaded)" if on_cpu else "GPU"
+    lora = cfg.lora.enable
     p_dtype = t.mixed_precision_param
 
     def row(name, what, nbytes):
@@ -238,11 +276,16 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             f"per step",
             describe_ac_compile(ac, est.ac_blocks, est.compiled, args.n_layers),
             *_moe_lines(args, plan.dims),
+            *_lora_lines(cfg, est),
             "",
             "memory per rank (rank 0 holds the largest shard)                     GiB",
-            row("parameters", f"fp32 shards on {where_state}", est.params),
-            row("gradients", f"fp32 shards on {where_state}", est.grads),
-            row("optimizer", f"{cfg.optimizer.name}, 2 x fp32 per parameter on {where_state}", est.optimizer),
+            row("parameters", f"{_params_text(cfg)} shards on {where_state}", est.params),
+            row("gradients", f"fp32 shards{' of the adapters' if lora else ''} on {where_state}", est.grads),
+            row(
+                "optimizer",
+                f"{cfg.optimizer.name}, 2 x fp32 per {'adapter ' if lora else ''}parameter on {where_state}",
+                est.optimizer,
+            ),  # fmt: skip
             row("FSDP buffers", "at the peak: gathered units + unsharded grads", buffers),
             row("activations", _activation_text(tokens, p_dtype, ac_label(ac)), act["total"]),
         ]

@@ -152,7 +152,9 @@ class ModelArgs:
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * self.param_counts()["active_non_embedding"] + attention
 
-    def block_activation_bytes(self, act_bytes: int, tp: int = 1, sequence_parallel: bool = True) -> dict[str, int]:
+    def block_activation_bytes(
+        self, act_bytes: int, tp: int = 1, sequence_parallel: bool = True, frozen_norms: bool = False
+    ) -> dict[str, int]:
         """Bytes per token one block keeps for backward on one rank: 'none' (no AC), 'full' (full AC), 'op'
         (selective 'op') and 'op_every_second' (selective 'op', TorchTitan's every-second-matmul policy), counted
         from what autograd saves in models/decoder.py (checked against torch's MemTracker without tensor
@@ -173,6 +175,9 @@ class ModelArgs:
         the norms hold 1 / tp of the tokens, the matmuls keep their whole-sequence inputs (all-gathered, 2*dim*a)
         and the out-projections' whole-sequence outputs before the reduce-scatter (selective 'op').
 
+        frozen_norms (a LoRA base): a norm whose weight gets no gradient does not keep its fp32 x/rms (4*dim per
+        norm; Qwen3's q/k norms 4*(q + kv)).
+
         An MoE block keeps, in place of the FFN's, per routed token (each tp rank routes 1 / tp of them, and with
         expert parallelism receives as many on average; models/moe.py):
 
@@ -192,6 +197,8 @@ class ModelArgs:
             norms -= d * a * share
         if self.qk_norm:
             norms += (q + kv) * (4 + 4) + 4 * (heads + kv_heads)  # its output is RoPE's saved input
+        if frozen_norms:
+            norms -= 2 * d * 4 * share + ((q + kv) * 4 if self.qk_norm else 0)
         lse = 4 * heads
         if self.moe:
             e, experts = self.n_experts, self.expert_activation_bytes(act_bytes, tp)

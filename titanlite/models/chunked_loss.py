@@ -27,10 +27,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, group=None, vocab_start: int = 0):
-        need_grads = any(ctx.needs_input_grad[:2])
+        need_hidden, need_weight = ctx.needs_input_grad[:2]  # a frozen weight (LoRA) gets no gradient
+        need_grads = need_hidden or need_weight
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_grads else None
-        grad_weight = torch.zeros_like(weight) if need_grads else None  # in the weight's dtype, as the plain path's
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None  # in the weight's dtype, as the plain path's
         rows = weight.shape[0]
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start : start + chunk], labels[start : start + chunk]
@@ -59,11 +60,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 probs.scatter_add_(1, target, -mine.to(probs.dtype)).mul_(counted)
                 grad_logits = probs.type_as(hidden)
                 del probs
-                partial = grad_logits @ weight  # with a group: this rank's rows' share of the hidden gradient
-                if group is not None:
-                    dist.all_reduce(partial, group=group)
-                grad_hidden[start : start + chunk] = partial
-                grad_weight.addmm_(grad_logits.t(), h)
+                if need_hidden:
+                    partial = grad_logits @ weight  # with a group: this rank's rows' share of the hidden gradient
+                    if group is not None:
+                        dist.all_reduce(partial, group=group)
+                    grad_hidden[start : start + chunk] = partial
+                if need_weight:
+                    grad_weight.addmm_(grad_logits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
@@ -73,7 +76,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # In place: a second copy of the output's gradient would sit beside every block's activations at the
         # step's peak. Autograd's version check refuses a second backward through this node (retain_graph).
         # The fp32 scalar multiplies in fp32 and rounds once (a low-precision copy of it would bias every element).
-        return grad_hidden.mul_(grad_total), grad_weight.mul_(grad_total), None, None, None, None, None
+        grads = [g.mul_(grad_total) if g is not None else None for g in (grad_hidden, grad_weight)]
+        return *grads, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
