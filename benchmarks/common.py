@@ -111,6 +111,27 @@ def register_shape(layers: int, hidden: int, intermediate: int, head_dim: int, s
     return BENCH_FLAVOR
 
 
+def lora_base(opts, vocab: int | None = None) -> str:
+    """A consolidated file of random base weights of the benchmark shape (a LoRA run starts from a base), written
+    once into the temp folder and reused."""
+    from titanlite.config import load
+    from titanlite.models.registry import model_args, model_class
+
+    vocab = vocab or opts.vocab
+    flavor = register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
+    shape = f"{opts.layers}x{opts.hidden}x{opts.intermediate}x{opts.head_dim}-{vocab}"
+    path = os.path.join(tempfile.gettempdir(), f"titanlite-lora-base-{shape}.pt")
+    if not os.path.exists(path):
+        cfg = load(["--model.flavor", flavor, "--model.vocab_size", str(vocab)])
+        with torch.device("meta"):
+            model = model_class(cfg.model.name)(model_args(cfg.model, vocab, opts.seq_len))
+        gen = torch.Generator().manual_seed(0)
+        state = {k: torch.randn(v.shape, generator=gen) * 0.02 for k, v in model.state_dict().items()}
+        torch.save(state, f"{path}.{os.getpid()}.tmp")
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    return path
+
+
 def build_trainer(opts, dump_folder: str, **settings):
     """A titanlite Trainer for the benchmark shape, through titanlite's own config, mesh and parallel/
     (settings: those of trainer_config)."""

@@ -88,32 +88,11 @@ CASES = {
 }
 
 
-def _lora_base(opts) -> str:
-    """A consolidated file of random base weights for this shape (LoRA cases start from a base), made once."""
-    import torch
-
-    from titanlite.config import load
-    from titanlite.models.registry import model_args, model_class
-
-    flavor = common.register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
-    shape = f"{opts.layers}x{opts.hidden}x{opts.intermediate}x{opts.head_dim}-{opts.vocab}"
-    path = os.path.join(tempfile.gettempdir(), f"titanlite-lora-base-{shape}.pt")
-    if not os.path.exists(path):
-        cfg = load(["--model.flavor", flavor, "--model.vocab_size", str(opts.vocab)])
-        with torch.device("meta"):
-            model = model_class(cfg.model.name)(model_args(cfg.model, opts.vocab, opts.seq_len))
-        gen = torch.Generator().manual_seed(0)
-        state = {k: torch.randn(v.shape, generator=gen) * 0.02 for k, v in model.state_dict().items()}
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    return path
-
-
 def _settings(name: str, opts) -> dict:
     """The trainer_config settings of one case."""
     overrides = CASES[name][2]
     if "{base}" in overrides:
-        overrides = overrides.replace("{base}", _lora_base(opts))
+        overrides = overrides.replace("{base}", common.lora_base(opts))
     accumulation = 2 if name.endswith("_accum") else 1
     extra = ("--model.vocab_size", str(opts.vocab), *overrides.split())
     return dict(local_batch_size=1, accumulation=accumulation, replicate=1, extra=extra)

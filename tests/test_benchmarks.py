@@ -105,3 +105,12 @@ def test_moe_benchmark_prints_its_tables():
     assert re.search(r"the token exchange moves [\d.]+ MiB", out), out
     for mode, setting in (("aux_free", "bias_update_rate 0.01"), ("aux_loss", "aux_loss_coef 0.001"), ("none", "-")):
         assert re.search(rf"{mode}\s+{setting}\s+[\d.]+\s+[\d.]+", out), (mode, out)
+
+
+def test_lora_benchmark_prints_its_table():
+    out = _bench("lora.py", "--reps", "2", "--layers", "1", "--hidden", "128", "--intermediate", "256",
+                 "--vocab", "1024", "--seq-len", "64", "--batch", "1", "--rank", "4")  # fmt: skip
+    full = re.search(r"full fine-tuning\s+[\d.]+M of [\d.]+M\s+\d+\s+x1\.00\s+(\d+)", out)
+    lora = re.search(r"LoRA r=4\s+0\.0\dM of [\d.]+M\s+\d+\s+x[\d.]+\s+(\d+)\s+\d+\s+\d+\s+(\d+)", out)
+    assert full and lora, out
+    assert int(lora.group(2)) < 1  # no optimizer state for the base
