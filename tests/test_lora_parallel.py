@@ -78,7 +78,11 @@ RUNS = [
     (4, "hsdp2x2_accum_delay",
      ("--training.local_batch_size", "1", *REPLICATE2, "--parallelism.gradient_sync", "delay_all_reduce")),
     (4, "fsdp2_tp2", ("--training.local_batch_size", "4", *TP2)),
+    (2, "fsdp2_full_ac_compiled",
+     ("--training.local_batch_size", "4", "--activation_checkpoint.mode", "full", "--compile.enable",
+      "--compile.backend", "aot_eager")),
 ]  # fmt: skip
+DROPOUT = [(2, "tp2_dropout", ("--training.local_batch_size", "8", *TP2, "--lora.dropout", "0.1"))]
 
 
 def _base_logits(base_path):
@@ -95,12 +99,14 @@ def test_same_losses_at_every_topology_and_the_base_at_step_0(tmp_path, base):
     ]
     base_logits = run_distributed(_base_logits, 1, step3)[0]
     for world in (2, 4):
-        runs = [(name, argv) for w, name, argv in RUNS if w == world]
+        runs = [(name, argv) for w, name, argv in RUNS + DROPOUT if w == world]
         results.update(run_distributed(_train, world, str(tmp_path / str(world)), step3, runs)[0])
     ref_losses, ref_logits, ref_grads, trainable = results["one"]
     assert torch.equal(ref_logits, base_logits)  # B = 0: the adapted model is its base
     assert trainable and all(".lora_" in n for n in trainable)
     assert ref_losses[10] < ref_losses[1]
+    dropped = results["tp2_dropout"][0]  # dropout draws its own masks: it trains, but not to the same numbers
+    assert all(abs(dropped[s] - ref_losses[s]) < 0.5 for s in ref_losses) and dropped[10] != ref_losses[10]
     for _, name, _ in RUNS:
         losses, logits, grads, names = results[name]
         assert names == trainable, name
