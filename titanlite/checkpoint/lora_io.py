@@ -76,9 +76,13 @@ def check_peft_folder(folder: Path, lora_cfg, args: ModelArgs) -> None:
                 f"lora.initial_adapter_path = {str(folder)!r} was trained with {key} {saved!r} ({PEFT_CONFIG}) but "
                 f"lora.{key} gives {ours!r}; set lora.{key} to {saved!r}"
             )
-    for flag in ("use_dora", "use_rslora", "fan_in_fan_out"):
+    for flag in ("use_dora", "use_rslora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern",
+                 "layers_to_transform"):  # fmt: skip
         if config.get(flag):
-            raise ConfigError(f"lora.initial_adapter_path = {str(folder)!r}: {flag} = true is not supported")
+            raise ConfigError(
+                f"lora.initial_adapter_path = {str(folder)!r}: {PEFT_CONFIG} sets {flag} = {config[flag]!r}, which "
+                "titanlite's LoRA does not support (one rank and alpha on every targeted projection of every block)"
+            )
     if not (folder / PEFT_WEIGHTS).is_file():
         raise ConfigError(f"lora.initial_adapter_path = {str(folder)!r} has no {PEFT_WEIGHTS}")
 
