@@ -203,3 +203,8 @@ def test_resume_exports_and_peft(tmp_path, base):
     assert lora.returncode == 0 and merged.returncode == 0, lora.stderr + merged.stderr
     assert "holds LoRA adapters (rank 4)" in lora.stderr
     assert lora.stdout == merged.stdout and len(lora.stdout) > len("The cat")
+    # and under TP(2) on two processes: each adapter follows its projection's split in the inference plan too
+    split = run_module("titanlite.generate", "--nproc", "2", "--parallelism.tensor_parallel_degree", "2",
+                       "--checkpoint", step6, "--model.flavor", "tiny", *greedy, timeout=300)  # fmt: skip
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert lora.stdout.strip() in split.stdout, (split.stdout, lora.stdout)

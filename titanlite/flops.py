@@ -10,6 +10,9 @@ projection is counted, also when it shares its weight with the embedding (TorchT
 shared table then, missing the output matmul). 6 = 2 (multiply-add) x 3 (forward + backward
 needing twice the forward). The second term is the attention score and value matmuls (QK^T and
 PV: 2 matmuls x 2 FLOPs x 3 passes = 12), counted over the full seq_len as if not causal.
+
+With LoRA the frozen base's weights get no gradient: its matmuls cost forward + the input's gradient, 4 * N, and the
+adapters' A adapters parameters the full 6 each: 4 * N + 6 * A + the attention term.
 """
 
 from __future__ import annotations
@@ -22,9 +25,14 @@ def param_counts(args: ModelArgs) -> dict[str, int]:
     return args.param_counts()
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Training FLOPs (forward + backward) per token at this sequence length; see the module doc."""
-    return args.flops_per_token(seq_len)
+def flops_per_token(args: ModelArgs, seq_len: int, adapters: int | None = None) -> int:
+    """Training FLOPs (forward + backward) per token at this sequence length; with `adapters` (LoRA: the adapters'
+    parameter count) the base is frozen. See the module doc."""
+    full = args.flops_per_token(seq_len)
+    if adapters is None:
+        return full
+    base = args.param_counts()["active_non_embedding"]
+    return full - 2 * base + 6 * adapters
 
 
 # Dense bf16 tensor-core peak FLOP/s per device (vendor data sheets, no sparsity). Matched in order

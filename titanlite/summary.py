@@ -44,13 +44,19 @@ def degenerate_run_warnings(cfg, device_type: str, dataloader) -> list[str]:
     return out
 
 
+def trained_adapters(model: nn.Module, cfg) -> int | None:
+    """With LoRA the adapters' parameter count (whole, not this rank's shards); None without."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.lora.enable else None
+
+
 def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
     """Log lines describing the world, the model's size in total and on this rank, and this rank's state memory."""
     counts = param_counts(model_args)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     states = OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
     mem = sharded_state_bytes(model, states)
-    fpt = flops_per_token(model_args, cfg.training.seq_len)
+    adapters = trained_adapters(model, cfg)
+    fpt = flops_per_token(model_args, cfg.training.seq_len, adapters)
     job = cfg.job.config_file or "no config file (defaults)"
     moe = []
     if model_args.moe:
@@ -59,6 +65,14 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
             f"MoE: {a.n_experts} experts, top-{a.top_k}, {dims.describe_ep(a.n_experts)}; {counts['active']:,} "
             f"active parameters per token; load balance {lb}"
         ]
+    lora, flops_rule = [], "6 x non-embedding"
+    if adapters is not None:
+        lo = cfg.lora
+        lora = [
+            f"LoRA: rank {lo.rank}, alpha {lo.alpha:g}, targets {', '.join(lo.targets)}: {adapters:,} adapter "
+            f"parameters ({adapters / counts['total']:.2%} of the model) train; the base is frozen in {lo.base_dtype}"
+        ]
+        flops_rule = f"6 x {adapters:,} adapter parameters + 4 x frozen non-embedding"
     return [
         f"Job: {job}" + (f": {cfg.job.description}" if cfg.job.description else ""),
         f"World size {dims.world_size}: data-parallel degree {dims.dp_degree} "
@@ -71,6 +85,7 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
         f"{states} states) = {human_bytes(mem.params + mem.grads + mem.optimizer)}, plus activations and "
         f"gathered blocks",
         *moe,
-        f"FLOPs per token: {fpt:.4g} (6 x non-embedding {'active ' if model_args.moe else ''}parameters + 12 x "
+        *lora,
+        f"FLOPs per token: {fpt:.4g} ({flops_rule} {'active ' if model_args.moe else ''}parameters + 12 x "
         f"layers x heads x head_dim x seq_len {cfg.training.seq_len})",
     ]

@@ -37,7 +37,7 @@ from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_syn
 from titanlite.plan import locked_folders, validate_for_world
 from titanlite.profiling import Profiler
 from titanlite.run_control import guard_run, release_all
-from titanlite.summary import degenerate_run_warnings, startup_lines
+from titanlite.summary import degenerate_run_warnings, startup_lines, trained_adapters
 from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
@@ -129,7 +129,7 @@ class Trainer:
             cfg.job.dump_folder,
             self.env.rank,
             device=self.device,
-            flops_per_token=flops_per_token(self.model_args, cfg.training.seq_len),
+            flops_per_token=flops_per_token(self.model_args, cfg.training.seq_len, trained_adapters(self.model, cfg)),
             total_steps=cfg.training.steps,
         )
         self.losses: dict[int, float] = {}  # logged global loss per step
