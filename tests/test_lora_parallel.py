@@ -85,19 +85,19 @@ RUNS = [
 DROPOUT = [(2, "tp2_dropout", ("--training.local_batch_size", "8", *TP2, "--lora.dropout", "0.1"))]
 
 
-def _base_logits(base_path):
-    t = make_trainer(tiny_argv("/tmp/unused-base-logits", "--checkpoint.initial_load_path", str(base_path)))
+def _one_process(tmp, base_path, runs):
+    """_train's results, and the base's own logits (a run without LoRA from the same weights)."""
+    out = _train(tmp, base_path, runs)
+    t = make_trainer(tiny_argv(f"{tmp}/base_only", "--checkpoint.initial_load_path", str(base_path)))
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        return _full(t.model(tokens)).clone()
+        return out, _full(t.model(tokens)).clone()
 
 
 def test_same_losses_at_every_topology_and_the_base_at_step_0(tmp_path, base):
     step3 = base / "step-3"
-    results = run_distributed(_train, 1, str(tmp_path / "one"), step3, [("one", ("--training.local_batch_size", "8"))])[
-        0
-    ]
-    base_logits = run_distributed(_base_logits, 1, step3)[0]
+    one = [("one", ("--training.local_batch_size", "8"))]
+    results, base_logits = run_distributed(_one_process, 1, str(tmp_path / "one"), step3, one)[0]
     for world in (2, 4):
         runs = [(name, argv) for w, name, argv in RUNS + DROPOUT if w == world]
         results.update(run_distributed(_train, world, str(tmp_path / str(world)), step3, runs)[0])
@@ -164,7 +164,10 @@ def _folder_bytes(path):
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def test_resume_exports_and_peft(tmp_path, base):
+def test_resume_exports_and_peft(tmp_path, base, capsys):
+    from titanlite.cli.checkpoint import main as export
+    from titanlite.cli.generate import main as generate
+
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     losses, refusal, logits = run_distributed(_resume_runs, 2, str(tmp_path), base / "step-3", base / "step-2")[0]
@@ -176,10 +179,8 @@ def test_resume_exports_and_peft(tmp_path, base):
     assert json.loads((step6 / "lora_base.json").read_text())["path"] == str((base / "step-3").resolve())
     assert _folder_bytes(step6) < 0.35 * _folder_bytes(base / "step-3")  # adapters + their optimizer state only
 
-    for fmt in ("peft", "hf"):
-        done = run_module("titanlite.checkpoint", "export", "--checkpoint", step6, "--format", fmt,
-                          "--output", tmp_path / fmt)  # fmt: skip
-        assert done.returncode == 0, done.stderr
+    for fmt in ("peft", "hf"):  # in this process (as the commands do): no process group
+        assert export(["export", "--checkpoint", str(step6), "--format", fmt, "--output", str(tmp_path / fmt)]) == 0
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(base / "hf-step-3", torch_dtype=torch.float32)
     with torch.no_grad():
         base_logits = hf_base.eval()(TOKENS).logits
@@ -198,13 +199,39 @@ def test_resume_exports_and_peft(tmp_path, base):
 
     # generate samples from base + adapters (unmerged, [lora] read from the checkpoint) as from the merged folder
     greedy = ("--prompt", "The cat", "--max-new-tokens", "12", "--temperature", "0")
-    lora = run_module("titanlite.generate", "--checkpoint", step6, "--model.flavor", "tiny", *greedy)
-    merged = run_module("titanlite.generate", "--checkpoint", tmp_path / "hf", *greedy)
-    assert lora.returncode == 0 and merged.returncode == 0, lora.stderr + merged.stderr
-    assert "holds LoRA adapters (rank 4)" in lora.stderr
-    assert lora.stdout == merged.stdout and len(lora.stdout) > len("The cat")
+    capsys.readouterr()
+    assert generate(["--checkpoint", str(step6), "--model.flavor", "tiny", *greedy]) == 0
+    lora = capsys.readouterr()
+    assert generate(["--checkpoint", str(tmp_path / "hf"), *greedy]) == 0
+    merged = capsys.readouterr()
+    assert "holds LoRA adapters (rank 4)" in lora.err
+    assert lora.out == merged.out and len(lora.out) > len("The cat")
     # and under TP(2) on two processes: each adapter follows its projection's split in the inference plan too
     split = run_module("titanlite.generate", "--nproc", "2", "--parallelism.tensor_parallel_degree", "2",
                        "--checkpoint", step6, "--model.flavor", "tiny", *greedy, timeout=300)  # fmt: skip
     assert split.returncode == 0, split.stderr[-3000:]
-    assert lora.stdout.strip() in split.stdout, (split.stdout, lora.stdout)
+    assert lora.out.strip() in split.stdout, (split.stdout, lora.out)
+
+
+def _moe_base_and_reference(tmp, moe):
+    """A Qwen3-MoE base (2 steps), and the one-process LoRA run on it."""
+    make_trainer(ckpt_argv(f"{tmp}/moe_base", "--model.name", "qwen3_moe", "--training.steps", "2")).train()
+    base = f"{tmp}/moe_base/checkpoint/step-2"
+    return _train(f"{tmp}/one", base, [("one", (*moe, "--training.local_batch_size", "8"))])
+
+
+def test_moe_attention_adapters_same_losses_under_expert_parallelism(tmp_path):
+    """Qwen3-MoE: adapters on the attention only (its experts stay frozen), the same losses and adapter gradients
+    in one process and at FSDP(2) x EP(2)."""
+    moe = ("--model.name", "qwen3_moe", "--moe.load_balance", "aux_free")
+    one = run_distributed(_moe_base_and_reference, 1, str(tmp_path), moe)
+    moe_base = tmp_path / "moe_base" / "checkpoint" / "step-2"
+    ep = (*moe, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2")
+    ep2 = run_distributed(_train, 2, str(tmp_path / "ep2"), moe_base, [("ep2", ep)])
+    (ref, _, ref_grads, trainable), (losses, _, grads, names) = one[0]["one"], ep2[0]["ep2"]
+    assert names == trainable and {n.split(".")[2] for n in trainable} == {"attention"}
+    assert ref[10] < ref[1]
+    for step in ref:
+        assert abs(losses[step] - ref[step]) < 1e-5, (step, losses[step], ref[step])
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)

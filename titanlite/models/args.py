@@ -13,14 +13,26 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+ROPE_SCALINGS = ("llama3", "linear", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1+ RoPE frequency scaling (HF `rope_type: "llama3"`)."""
+    """RoPE frequency scaling for contexts beyond pretraining's, as transformers computes it (rope_type): llama3
+    (Llama 3.1+: low frequencies divided by factor, a smooth band between), linear (every frequency divided by
+    factor: position interpolation) or yarn (YaRN: interpolation of the low frequencies, extrapolation of the high
+    ones, a linear ramp between set by beta_fast / beta_slow rotations, and every rotation scaled by
+    attention_factor; Qwen3's long-context recipe, DeepSeek, gpt-oss)."""
 
     factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the context pretraining used
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn: q and k rotations scaled by it (logits by its square)
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole feature pairs
 
 
 @dataclass(frozen=True)

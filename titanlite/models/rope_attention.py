@@ -1,4 +1,4 @@
-"""RoPE (with Llama 3.1 frequency scaling) and attention: causal, block-causal within each document, or
+"""RoPE (with Llama 3.1, linear and YaRN frequency scaling) and attention: causal, block-causal within each document, or
 the new positions of a KV cache over its filled prefix.
 
 Block-causal attention lets a token attend only to earlier tokens of its own document; documents are
@@ -22,10 +22,15 @@ from titanlite.models.args import RopeScaling
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    """Rotation frequency of each feature pair (float64), scaled as Llama 3.1+ (HF rope_type llama3)."""
+    """Rotation frequency of each feature pair (float64), scaled by the RopeScaling's rope_type as transformers
+    scales them (llama3, linear or yarn)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return freqs
+    if scaling.rope_type == "linear":
+        return freqs / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(freqs, head_dim, theta, scaling)
     old = scaling.original_max_position_embeddings
     low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
     wavelen = 2 * math.pi / freqs
@@ -36,13 +41,34 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_frequencies(freqs: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: the feature pairs that turn fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those that turn more than beta_fast times are kept, with a linear ramp between."""
+
+    def pair_turning(rotations: float) -> float:  # the pair index that turns this many times over the context
+        context = scaling.original_max_position_embeddings
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as it is), 0: interpolate
+    return freqs / scaling.factor * (1 - keep) + freqs * keep
+
+
 def rope_table(
     head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None, device=None
 ) -> torch.Tensor:
-    """Complex rotations e^{i m w_j} for positions m < max_seq_len, shape (max_seq_len, head_dim // 2)."""
+    """Complex rotations e^{i m w_j} for positions m < max_seq_len, shape (max_seq_len, head_dim // 2); with YaRN
+    of magnitude attention_factor (transformers scales cos and sin by it)."""
     freqs = rope_frequencies(head_dim, theta, scaling).to(device)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), freqs)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    magnitude = scaling.attention_factor if scaling is not None and scaling.rope_type == "yarn" else 1.0
+    return torch.polar(torch.full_like(angles, magnitude), angles).to(torch.complex64)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
