@@ -104,6 +104,8 @@ LAYERS = [
         "models.args",
         "models.family",
         "models.hf_config",
+        "models.hf_rope",
+        "models.config_fields",
         "models.sliding_window",
         "models.llama3",
         "models.qwen3",

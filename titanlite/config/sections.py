@@ -62,6 +62,26 @@ class Model:
         one_of("causal", "block_causal"),
         "causal or block_causal",
     )
+    rope_scaling: str = setting(
+        "",
+        "RoPE scaling for a context longer than pretraining's: '' = the flavor's (or the HF folder's config.json); "
+        "none; linear (positions interpolated by rope_factor); yarn (YaRN, Qwen3's recipe for 128k: rope_factor "
+        "and rope_original_context); overrides the folder's (docs/long_context.md)",
+        one_of("", "none", "linear", "yarn"),
+        "'' (the flavor's), none, linear or yarn",
+    )
+    rope_factor: float = setting(
+        0.0,
+        "linear, yarn: how many times the pretraining context the model should reach (4.0: 32,768 -> 131,072)",
+        lambda v: v == 0 or v >= 1,
+        "0 (unset) or a number >= 1",
+    )
+    rope_original_context: int = setting(
+        0,
+        "yarn: the context the model was pretrained at; 0 = the flavor's published context length",
+        non_negative,
+        "0 or a number > 0",
+    )
 
 
 @dataclass

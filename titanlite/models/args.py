@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-
 ROPE_SCALINGS = ("llama3", "linear", "yarn")
 
 

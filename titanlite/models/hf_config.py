@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import pathlib
 
 from titanlite.errors import ConfigError
-from titanlite.models.args import ModelArgs, RopeScaling
+from titanlite.models.args import ModelArgs
+from titanlite.models.config_fields import POSITIVE_INT as _POSITIVE_INT
+from titanlite.models.config_fields import POSITIVE_NUMBER as _POSITIVE_NUMBER
+from titanlite.models.config_fields import REQUIRED as _REQUIRED
+from titanlite.models.config_fields import field as _field
+from titanlite.models.config_fields import is_int as _is_int
+from titanlite.models.config_fields import is_positive_number as _is_positive_number
 from titanlite.models.family import HFArchitecture
+from titanlite.models.hf_rope import rope_from_config, rope_to_config
 
 logger = logging.getLogger("titanlite")
 
@@ -142,114 +148,7 @@ def holds_lm_head(folder: pathlib.Path) -> bool:
     return False
 
 
-_REQUIRED = object()
 _DTYPES = ("bfloat16", "float16", "float32", "float64")
-_POSITIVE_INT = "a positive integer"
-_POSITIVE_NUMBER = "a positive number"
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_positive_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-
-def _bad(file: str, key: str, value, expected: str) -> ConfigError:
-    shown = json.dumps(value)
-    return ConfigError(f"{file}: {key} = {shown[:80]} is not valid; expected {expected}")
-
-
-def _field(config: dict, key: str, file: str, default, ok, expected: str, prefix: str = ""):
-    """config[key] when ok(value); the default when it is absent or null (ConfigError when required)."""
-    value = config.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            if key in config:
-                raise _bad(file, prefix + key, value, expected)
-            raise ConfigError(f"{file} has no {prefix + key!r}, which titanlite needs; expected {expected}")
-        return default
-    if not ok(value):
-        raise _bad(file, prefix + key, value, expected)
-    return value
-
-
-_ROPE_TYPES = ("default", "llama3")
-
-
-def _rope_block(config: dict, file: str) -> tuple[dict, str]:
-    """(the RoPE block transformers applies, its key) of a config.json that may hold rope_parameters
-    (transformers 5), rope_scaling (transformers 4, or added by hand as model cards tell users) or both.
-
-    transformers 5 takes a non-empty rope_scaling over rope_parameters, whole, with rope_theta from it or the
-    top-level rope_theta (else 10000, whatever rope_parameters says). Where that drops a setting rope_parameters
-    holds (its rope_theta, or a scaling of its own), the folder is refused: it would be lost without a word.
-    """
-    expected = 'an object such as {"rope_type": "llama3", "factor": 8.0, ...}, or null'
-    for key in ("rope_parameters", "rope_scaling"):
-        _field(config, key, file, None, lambda v: isinstance(v, dict), expected)
-    params, scaling = config.get("rope_parameters") or {}, config.get("rope_scaling") or {}
-    if not scaling:
-        return params, "rope_parameters"
-    top_theta = config.get("rope_theta", 10000.0)
-    ours, applied = _rope_settings(params, top_theta), _rope_settings(scaling, top_theta)
-    lost = [] if "rope_theta" not in params else ["rope_theta"]
-    if ours["rope_type"] != "default":
-        lost = sorted(ours.keys() | applied.keys())
-    differ = [f"{k} {ours.get(k)!r} vs {applied.get(k)!r}" for k in lost if ours.get(k) != applied.get(k)]
-    if params and differ and applied["rope_type"] in _ROPE_TYPES:  # else refused by its type
-        raise ConfigError(
-            f"{file} holds both rope_parameters and rope_scaling, and transformers would apply rope_scaling alone "
-            f"(with rope_theta from it or the top-level rope_theta, else 10000), losing what rope_parameters says "
-            f"(rope_parameters vs what would apply: {', '.join(differ)}); put the whole RoPE setting in one of "
-            f"them (a rope_scaling block added by hand: move it into rope_parameters, keeping its rope_theta) and "
-            f"delete the other"
-        )
-    return scaling, "rope_scaling"
-
-
-def _rope_settings(block: dict, top_theta) -> dict:
-    """A RoPE block as comparable settings: its type under one name, its rope_theta as transformers resolves it."""
-    settings = {k: v for k, v in block.items() if k not in ("type", "rope_type", "rope_theta")}
-    settings["rope_type"] = block.get("rope_type", block.get("type", "default"))
-    settings["rope_theta"] = block.get("rope_theta", top_theta)
-    return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in settings.items()}
-
-
-def _rope(config: dict, file: str) -> tuple[float, RopeScaling | None]:
-    """rope_theta and the llama3 RoPE scaling, from rope_parameters (transformers 5) or rope_theta and
-    rope_scaling (transformers 4), following transformers where a config.json holds both."""
-    top_theta = _field(config, "rope_theta", file, 10000.0, _is_positive_number, _POSITIVE_NUMBER)
-    scaling, key = _rope_block(config, file)
-    prefix = f"{key}."
-    theta = float(_field(scaling, "rope_theta", file, top_theta, _is_positive_number, _POSITIVE_NUMBER, prefix))
-    type_key = "rope_type" if "rope_type" in scaling else "type"
-    kind = _field(scaling, type_key, file, "default", lambda v: isinstance(v, str), "a string", prefix)
-    if kind == "default":
-        return theta, None
-    if kind not in _ROPE_TYPES:
-        raise ConfigError(
-            f"{file}: {prefix}{type_key} = {kind!r}; titanlite implements 'default' and 'llama3' (Llama 3.1+)"
-        )
-    low = float(_field(scaling, "low_freq_factor", file, 1.0, _is_positive_number, _POSITIVE_NUMBER, prefix))
-    high = float(
-        _field(scaling, "high_freq_factor", file, 4.0, lambda v: _is_positive_number(v) and v > low, f"> {low}", prefix)
-    )
-    return theta, RopeScaling(
-        factor=float(_field(scaling, "factor", file, _REQUIRED, _is_positive_number, _POSITIVE_NUMBER, prefix)),
-        low_freq_factor=low,
-        high_freq_factor=high,
-        original_max_position_embeddings=_field(
-            scaling,
-            "original_max_position_embeddings",
-            file,
-            8192,
-            lambda v: _is_int(v) and v > 0,
-            _POSITIVE_INT,
-            prefix,
-        ),
-    )
 
 
 def architecture_of(config: dict, source: str) -> tuple[str, list[str] | None]:
@@ -308,8 +207,8 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
             f"{file}: num_key_value_heads = {kv_heads} is not valid; expected a divisor of "
             f"num_attention_heads = {heads}"
         )
-    theta, rope_scaling = _rope(config, file)
     context = positive_int("max_position_embeddings", 8192)
+    theta, rope_scaling = rope_from_config(config, file, context)
     moe = {}
     if arch.experts is not None:
         x = arch.experts
@@ -383,7 +282,6 @@ def config_from_args(args: ModelArgs, arch: HFArchitecture, dtype: str, bos_id: 
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
         "max_position_embeddings": max(args.context_length, args.max_seq_len),
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
@@ -408,19 +306,7 @@ def config_from_args(args: ModelArgs, arch: HFArchitecture, dtype: str, bos_id: 
         )
         if x.norm_topk_key:
             config[x.norm_topk_key] = args.norm_topk_prob
-    # Both spellings: rope_theta + rope_scaling (transformers 4, vLLM) and rope_parameters (transformers 5).
-    rope = {"rope_type": "default"}
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        rope = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
-    config["rope_scaling"] = rope if args.rope_scaling is not None else None
-    config["rope_parameters"] = {**rope, "rope_theta": args.rope_theta}
+    config.update(rope_to_config(args))  # both spellings: rope_scaling (transformers 4, vLLM), rope_parameters (5)
     return config
 
 

@@ -12,7 +12,7 @@ import pathlib
 
 from titanlite.errors import ConfigError
 from titanlite.models import llama3, mistral, mixtral, qwen2, qwen3, qwen3_moe
-from titanlite.models.args import ModelArgs
+from titanlite.models.args import ModelArgs, RopeScaling
 from titanlite.models.family import Family
 from titanlite.models.hf_config import (
     CONFIG,
@@ -22,6 +22,7 @@ from titanlite.models.hf_config import (
     mismatches,
     read_config,
 )
+from titanlite.models.hf_rope import yarn_mscale
 
 HF_FLAVOR = "hf"  # the shape comes from a HuggingFace folder's config.json
 
@@ -153,9 +154,35 @@ def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=Non
             f"{model_cfg.tokenizer_path!r}); use that model's own tokenizer, or set model.vocab_size >= "
             f"{tokenizer_vocab_size}"
         )
-    return args.with_overrides(
+    return _rope_override(model_cfg, args).with_overrides(
         attention=model_cfg.attention,
         vocab_size=vocab,
         tie_embeddings=args.tie_embeddings if model_cfg.tie_embeddings is None else model_cfg.tie_embeddings,
         max_seq_len=max(args.max_seq_len, seq_len),
+    )
+
+
+def _rope_override(model_cfg, args: ModelArgs) -> ModelArgs:
+    """The arguments with [model] rope_scaling applied over the flavor's or the folder's ('' leaves them)."""
+    kind = getattr(model_cfg, "rope_scaling", "")
+    if kind == "":
+        return args
+    if kind == "none":
+        return args.with_overrides(rope_scaling=None)
+    if not model_cfg.rope_factor:
+        raise ConfigError(
+            f"model.rope_scaling = {kind!r} needs model.rope_factor: how many times the pretraining context to reach "
+            f"(a number >= 1, e.g. 4.0)"
+        )
+    factor = float(model_cfg.rope_factor)
+    if kind == "linear":
+        return args.with_overrides(rope_scaling=RopeScaling(factor=factor, rope_type="linear"))
+    original = model_cfg.rope_original_context or args.context_length
+    return args.with_overrides(
+        rope_scaling=RopeScaling(
+            factor=factor,
+            original_max_position_embeddings=original,
+            rope_type="yarn",
+            attention_factor=yarn_mscale(factor),
+        )
     )
