@@ -222,6 +222,13 @@ def _peft_folder(rank):
 
 
 LORA = [
+    Case("rope-scaling-unknown", "config", "train", train("--model.rope_scaling", "ntk"),
+         ("model.rope_scaling", "'ntk'", "none, linear or yarn")),
+    Case("rope-scaling-without-factor", "config", "train", train("--model.rope_scaling", "yarn"),
+         ("model.rope_scaling = 'yarn' needs model.rope_factor",)),
+    Case("rope-factor-below-one", "config", "train",
+         train("--model.rope_scaling", "linear", "--model.rope_factor", "0.5"),
+         ("model.rope_factor", "0.5", "a number >= 1")),
     Case("lora-rank-zero", "config", "train", lora("--lora.rank", "0"), ("lora.rank", "0", "a number > 0")),
     Case("lora-target-unknown", "config", "train", lora("--lora.targets", "qkv"), ("lora.targets", "q_proj")),
     Case("lora-dropout-one", "config", "train", lora("--lora.dropout", "1.0"), ("lora.dropout", "0 <= p < 1")),
