@@ -43,7 +43,7 @@ def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
     return 0 if compiled_loss(cfg, tp) else cfg.training.loss_chunk_tokens
 
 
-def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False, expert_mesh=None) -> BuiltModel:
+def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False, expert_mesh=None, cp_mesh=None) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
 
     Training applies tensor parallelism (a "tp" mesh dimension), [lora] adapters (models/lora.py: the base frozen),
@@ -71,6 +71,8 @@ def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False, expert_m
         model.set_load_balance("none" if inference else cfg.moe.load_balance)
         if mesh is not None:
             apply_ep(model, expert_mesh, tp=1 if tp_mesh is None else tp_mesh.size())
+    if cp_mesh is not None:  # context parallelism: each rank computes its chunks of every sequence
+        model.set_context_parallel(cp_mesh.get_group())
     if not inference:
         model.loss_chunk_tokens = chunked_loss_tokens(cfg, 1 if tp_mesh is None else tp_mesh.size())
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)

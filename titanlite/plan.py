@@ -75,6 +75,35 @@ def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in frozen}
 
 
+def check_context_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+    """ConfigError when parallelism.context_parallel_degree cannot split this job's sequences, or is combined with
+    what it does not support yet."""
+    cp = dims.cp
+    if cp == 1:
+        return
+    p, t = cfg.parallelism, cfg.training
+    split = 2 * cp * (dims.tp if dims.tp > 1 and p.enable_sequence_parallel else 1)
+    if t.seq_len % split:
+        what = f"2 x context_parallel_degree {cp}" + (
+            f" x tensor_parallel_degree {dims.tp} (sequence parallelism)" if split != 2 * cp else ""
+        )
+        raise ConfigError(
+            f"training.seq_len = {t.seq_len} does not split into {what} = {split} equal chunks (each cp rank "
+            f"takes two, one from each end); valid: a multiple of {split}, e.g. {t.seq_len + (-t.seq_len) % split}"
+        )
+    unsupported = [
+        (args.moe, f"a Mixture of Experts ({cfg.model.name})"),
+        (cfg.compile.enable, "compile.enable = true"),
+        (t.loss_chunk_tokens == 0, "training.loss_chunk_tokens = 0 (the loss of whole logits)"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ConfigError(
+                f"parallelism.context_parallel_degree = {cp} does not work with {what} yet; set "
+                "context_parallel_degree = 1, or change that setting (docs/long_context.md)"
+            )
+
+
 def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
     """ConfigError when [lora] cannot train this model: no base to start from, a target the model lacks, a base
     dtype that FSDP cannot gather with the adapters, an adapter folder that does not match, or a last save that
@@ -254,6 +283,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
     check_tensor_parallel(cfg, dims, args)
     check_experts(cfg, dims, args)
+    check_context_parallel(cfg, dims, args)
     check_lora(cfg, args)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:

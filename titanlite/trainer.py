@@ -79,9 +79,10 @@ class Trainer:
         self.device = self.env.device
         self.mesh = self.dims.build_mesh(self.device.type)
         self.expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.model_args.moe else None
+        self.cp_mesh = self.dims.build_cp_mesh(self.device.type)
         # Data: every dp rank reads its own sequences (the ranks build a missing token store together).
         loader_args = dict(
-            dp_rank=self.dims.dp_rank(self.env.rank),  # the tp ranks of one dp rank read the same batches
+            dp_rank=self.dims.dp_rank(self.env.rank),  # the cp and tp ranks of one dp rank read the same batches
             dp_degree=self.dims.dp_degree,
             global_batch_size=self.global_batch_size,
             pin_memory=self.device.type == "cuda",
@@ -95,7 +96,7 @@ class Trainer:
             for warning in degenerate_run_warnings(cfg, self.device.type, self.dataloader):
                 logger.warning(warning)
 
-        built = build_model(cfg, self.model_args, self.mesh, expert_mesh=self.expert_mesh)
+        built = build_model(cfg, self.model_args, self.mesh, expert_mesh=self.expert_mesh, cp_mesh=self.cp_mesh)
         self.model, self.num_sharded = built.model, built.num_sharded
         self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
         self.model.init_weights(cfg.training.seed)
@@ -157,12 +158,13 @@ class Trainer:
             # Counted on the device: a blocking host-to-device copy would be a host sync every step.
             count = sum(counted_labels(mb[1].to(self.device, non_blocking=True)) for mb in microbatches)
             dist.all_reduce(count)
-            global_tokens = (count // self.dims.tp).clamp(min=1)  # the tp ranks of a dp rank hold the same labels
+            # the cp and tp ranks of a dp rank hold the same labels
+            global_tokens = (count // (self.dims.tp * self.dims.cp)).clamp(min=1)
         else:
             global_tokens = max(global_tokens, 1)
-        # FSDP averages gradients over the dp ranks; scaling by dp_degree makes the gradient that of
-        # (sum of token losses over the global batch) / (valid tokens in the global batch).
-        scale = self.dims.dp_degree / global_tokens
+        # FSDP averages gradients over the dp ranks (and the cp ranks, each with its part of the tokens); scaling by
+        # their number makes the gradient that of (sum of token losses over the global batch) / (valid tokens in it).
+        scale = self.dims.dp_degree * self.dims.cp / global_tokens
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             self.hang.phase(f"step {self.step}: forward/backward, microbatch {i + 1} of {len(microbatches)}")
@@ -215,8 +217,8 @@ class Trainer:
                 self.tokens_seen += data.global_tokens  # padding is not a token trained on
                 for i, n in enumerate(data.sequences_by_source):
                     self.tokens_by_source[i] += n * cfg.training.seq_len
-                # tokens/s and MFU per rank: the tp ranks of a dp rank share its tokens (each does 1/tp of the FLOPs)
-                self.metrics.step_done(self.step, data.local_tokens / self.dims.tp)
+                # tokens/s and MFU per rank: the cp x tp ranks of a dp rank share its tokens (and FLOPs)
+                self.metrics.step_done(self.step, data.local_tokens / (self.dims.tp * self.dims.cp))
                 self._track_non_finite(out)
                 # Only logged steps read device values (host syncs) and all-reduce the loss.
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:

@@ -39,6 +39,7 @@ class Validator:
         p = cfg.parallelism
         self.loss_parallel = p.tensor_parallel_degree > 1 and p.enable_loss_parallel
         self.tp = p.tensor_parallel_degree
+        self.cp = getattr(p, "context_parallel_degree", 1)
         self.loader = loader  # titanlite.data.build.build_loader(cfg, tokenizer, "validation", ...)
         self._start = self.loader.state_dict()
 
@@ -83,9 +84,10 @@ class Validator:
                 "validation.steps = -1: the held-out data is shorter than one global batch "
                 "(training.global_batch_size x (training.seq_len + 1) tokens); use fewer or shorter sequences"
             )
-        if self.loader.dp_degree > 1:
+        if self.loader.dp_degree * self.cp > 1:
             dist.all_reduce(totals)
-            totals /= self.tp  # the tp ranks of a dp rank hold the same sums
+            # the tp ranks of a dp rank hold the same sums; its cp ranks each a part of the loss, all of the labels
+            totals /= torch.tensor([self.tp, self.tp * self.cp], dtype=totals.dtype, device=totals.device)
         loss_sum, tokens = totals.tolist()
         if tokens == 0:
             raise no_counted_tokens(self.loader, f"validation's {batches} global batch(es)", self.training)

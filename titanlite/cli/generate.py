@@ -107,6 +107,12 @@ def run(argv: list[str]) -> str:
             hf += ["--model.tokenizer_path", args.checkpoint]
         overrides = hf + overrides
     cfg = load(["--job.config_file", args.config, *overrides])
+    if cfg.parallelism.context_parallel_degree > 1:  # a training setting: every rank generates the same tokens
+        logger.info(
+            f"parallelism.context_parallel_degree = {cfg.parallelism.context_parallel_degree} is a training setting: "
+            "generation runs without it"
+        )
+        cfg.parallelism.context_parallel_degree = 1
     world = world_size_from_env()
     try:  # one process too: a degree it cannot honour is an error, not ignored
         dims = ParallelDims.from_config(cfg.parallelism, world)

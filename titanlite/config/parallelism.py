@@ -27,6 +27,14 @@ class Parallelism:
         lambda v: v >= 1,
         "a number >= 1",
     )
+    context_parallel_degree: int = setting(
+        1,
+        "ranks each sequence is split over (context parallelism, for long sequences): each takes two chunks, one "
+        "from each end, and attention gathers the keys and values; FSDP shards over data_parallel_shard_degree x "
+        "this; world = replicate x shard x cp x tp (docs/long_context.md)",
+        lambda v: v >= 1,
+        "a number >= 1",
+    )
     expert_parallel_degree: int = setting(
         1,
         "Mixture-of-Experts models: ranks each block's experts are split over (expert parallelism; tokens travel to "

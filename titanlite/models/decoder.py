@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
 from titanlite.models.chunked_loss import chunked_linear_cross_entropy
+from titanlite.models.context_parallel import cp_attention_mask, gather_sequence, local_index
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.lora import adapter_init, is_adapter
 from titanlite.models.moe import MoE, aux_loss_sum, moe_layers, record_forward
@@ -29,6 +31,8 @@ __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "rope_table"]
 
 
 class Attention(nn.Module):
+    cp_group = None  # context parallelism: keys and values are gathered over this group (set_context_parallel)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
@@ -51,6 +55,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.cp_group is not None and cache is None:  # every cp rank's keys and values, in sequence order
+            seq_len = s * dist.get_world_size(self.cp_group)
+            k, v = gather_sequence(k, self.cp_group, seq_len), gather_sequence(v, self.cp_group, seq_len)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None:
             out = attend(q, k, v, mask)
@@ -155,7 +162,9 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rope, mask = self.rope, None
-        if cache is not None:
+        if self.cp_group is not None and cache is None:  # this rank's two chunks of every sequence
+            tokens, labels, rope, mask = self._context_parallel_part(tokens, labels, positions)
+        elif cache is not None:
             if positions is not None:
                 raise ValueError("forward with a KV cache takes no positions: the tokens follow the cache's offset")
             n = tokens.shape[1]
@@ -175,6 +184,23 @@ class Transformer(nn.Module):
         if labels is not None:  # the summed loss, in chunks (see loss_chunk_tokens)
             return self.output(self.norm(h), labels)
         return self.output(self.norm(h))
+
+    cp_group = None  # context parallelism (set_context_parallel): forward computes this rank's part of sequences
+
+    def set_context_parallel(self, group) -> None:
+        """Split every sequence over the ranks of `group` (context parallelism; models/context_parallel.py)."""
+        self.cp_group = group
+        for layer in self.layers:
+            layer.attention.cp_group = group
+
+    def _context_parallel_part(self, tokens, labels, positions):
+        """This cp rank's tokens and labels, their rotations, and its queries' mask over the whole sequence."""
+        seq_len = tokens.shape[1]
+        index = local_index(seq_len, dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group), tokens.device)
+        block = positions is not None and self.args.attention == "block_causal"
+        rope = self.rope[positions[:, index]] if block else self.rope[index]
+        mask = cp_attention_mask(index, seq_len, positions if block else None, self.attention_kernel)
+        return tokens[:, index], None if labels is None else labels[:, index], rope, mask
 
     @property
     def loss_chunk_tokens(self) -> int:

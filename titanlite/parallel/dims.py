@@ -4,7 +4,10 @@ replicate 1 gives FSDP on a 1-D ("dp_shard",) mesh; replicate > 1 gives a 2-D
 ("dp_replicate", "dp_shard") mesh: HSDP when shard > 1, plain replication (DDP-like) when shard is 1.
 Tensor parallelism (tp > 1) adds "tp" as the innermost dimension: the tp ranks of one data-parallel
 rank are neighbours (rank = dp_rank * tp + tp_rank), inside a node; FSDP runs on the data-parallel
-sub-mesh and the TP plan on the "tp" one.
+sub-mesh and the TP plan on the "tp" one. Context parallelism (cp > 1) sits between them (rank =
+(dp_rank * cp + cp_rank) * tp + tp_rank): the cp ranks of a data-parallel rank read its batch and each take
+a part of every sequence; FSDP shards over the shard and cp ranks together ("dp_shard_cp"), and attention
+gathers keys and values over a mesh of their own (build_cp_mesh).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     ep: int = 1  # expert parallelism: ranks borrowed from dp_shard x tp (MoE models)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
@@ -32,12 +36,22 @@ class ParallelDims:
         replicate = parallelism.data_parallel_replicate_degree
         shard = parallelism.data_parallel_shard_degree
         tp = getattr(parallelism, "tensor_parallel_degree", 1)
-        with_tp = f" x tensor_parallel_degree = {tp}" if tp > 1 else ""
-        if world_size % tp:
+        cp = getattr(parallelism, "context_parallel_degree", 1)
+        if world_size % cp:
             raise ConfigError(
-                f"parallelism.tensor_parallel_degree = {tp} does not divide the world size {world_size}; valid: "
+                f"parallelism.context_parallel_degree = {cp} does not divide the world size {world_size}; valid: "
                 f"{', '.join(str(d) for d in _divisors(world_size))}"
             )
+        with_tp = (f" x context_parallel_degree = {cp}" if cp > 1 else "") + (
+            f" x tensor_parallel_degree = {tp}" if tp > 1 else ""
+        )
+        if world_size % (tp * cp):
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree = {tp} does not divide the world size {world_size}"
+                + (f" / context_parallel_degree {cp}" if cp > 1 else "")
+                + f"; valid: {', '.join(str(d) for d in _divisors(world_size // cp))}"
+            )
+        tp = tp * cp  # below: the ranks a data-parallel rank spans (cp x tp)
         if shard == -1:
             if (world_size // tp) % replicate:
                 raise ConfigError(
@@ -52,6 +66,7 @@ class ParallelDims:
                 f"{with_tp} = {replicate * shard * tp}, but the world size is {world_size}; the product must equal "
                 f"the world size (set data_parallel_shard_degree = -1 to fill the rest)"
             )
+        tp //= cp
         ep = getattr(parallelism, "expert_parallel_degree", 1)
         if (shard * tp) % ep:
             borrowed = shard * tp
@@ -60,7 +75,7 @@ class ParallelDims:
                 f"(data_parallel_shard_degree {shard}{with_tp}); valid: "
                 f"{', '.join(str(d) for d in _divisors(borrowed))}"
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, ep=ep)
+        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, ep=ep, cp=cp)
 
     @property
     def dp_degree(self) -> int:
@@ -68,8 +83,8 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank of a global rank (tp is the innermost mesh dimension)."""
-        return rank // self.tp
+        """The data-parallel rank of a global rank (cp, then tp, are the innermost mesh dimensions)."""
+        return rank // (self.tp * self.cp)
 
     @property
     def hsdp(self) -> bool:
@@ -85,7 +100,8 @@ class ParallelDims:
 
     @property
     def dp_mesh_dim_names(self) -> tuple[str, ...]:
-        return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
+        shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"  # FSDP shards over the cp ranks too
+        return ("dp_replicate", shard) if self.dp_replicate > 1 else (shard,)
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -93,16 +109,33 @@ class ParallelDims:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        dp = (self.dp_replicate, self.dp_shard) if self.dp_replicate > 1 else (self.dp_shard,)
+        shard = self.dp_shard * self.cp
+        dp = (self.dp_replicate, shard) if self.dp_replicate > 1 else (shard,)
         return dp + ((self.tp,) if self.tp > 1 else ())
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP averages gradients over inside a replica group (shard x cp)."""
+        return self.dp_shard * self.cp
+
+    def build_cp_mesh(self, device_type: str):
+        """The 1-D "cp" mesh of this rank's context-parallel group (None without cp): over it attention gathers
+        keys and values."""
+        if self.cp == 1:
+            return None
+        names, shape = ("dp", "cp"), (self.dp_degree, self.cp)
+        if self.tp > 1:
+            names, shape = names + ("tp",), shape + (self.tp,)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)["cp"]
 
     def describe(self) -> str:
         """The log line that says which data parallelism this is."""
-        if self.hsdp:
-            return f"HSDP: replicate_size={self.dp_replicate}, shard_size={self.dp_shard}"
+        cp = f", context_parallel_size={self.cp} (FSDP over shard x cp)" if self.cp > 1 else ""
+        if self.hsdp or (self.dp_replicate > 1 and self.cp > 1):
+            return f"HSDP: replicate_size={self.dp_replicate}, shard_size={self.dp_shard}{cp}"
         if self.replicate_only:
             return f"Replicate-only (DDP-like): replicate_size={self.dp_replicate}, shard_size=1"
-        return f"FSDP: shard_size={self.dp_shard}"
+        return f"FSDP: shard_size={self.dp_shard}{cp}"
 
     def describe_tp(self, sequence_parallel: bool, loss_parallel: bool) -> str | None:
         """The log line that says how tensor parallelism runs; None without it."""

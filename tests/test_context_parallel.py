@@ -1,0 +1,98 @@
+"""Context parallelism (gloo, CPU): every sequence split over cp ranks, two chunks each (one from each end), keys
+and values gathered in attention. The same losses (fp32, 10 steps, 1e-5) and gradients as one process, causal and
+block-causal with documents crossing the chunk boundaries, at CP(2), FSDP(2) x CP(2), CP(2) x TP(2) and HSDP
+(2 replicas) x CP(2) with accumulation and the delayed all-reduce; exact resume, and checkpoints that resume at
+another cp degree."""
+
+import shutil
+
+import pytest
+import torch
+
+from helpers import ckpt_argv, make_trainer, run_distributed, tiny_argv
+
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
+CP = ("--parallelism.context_parallel_degree",)
+BLOCK = ("--model.attention", "block_causal")
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(tmp, runs):
+    """Per run (name, argv): logged losses, and every parameter's gradient of one more step (optimizer left out)."""
+    out = {}
+    for name, argv in runs:
+        t = make_trainer(tiny_argv(f"{tmp}/{name}", "--training.global_batch_size", "8", *argv))
+        if name.startswith("one"):  # the documents of a batch cross the 2 x cp chunk boundaries (chunks of 8)
+            positions = t.dataloader.next_step().microbatches[0][2]
+            t.dataloader.load_state_dict({**t.dataloader.state_dict(), "sequence_index": 0})
+            assert (positions[:, 8::8] != 0).any()
+        losses = t.train()
+        t.optimizer.step, t.optimizer.zero_grad = (lambda *a, **k: None), (lambda *a, **k: None)
+        data = t.dataloader.next_step()
+        t.train_step(data.microbatches, data.global_valid_tokens)
+        out[name] = (losses, {n: _full(p.grad).clone() for n, p in t.model.named_parameters()})
+    return out
+
+
+RUNS = [  # (reference, world, name, argv)
+    ("one", 2, "cp2", ("--training.local_batch_size", "8", *CP, "2")),
+    ("one_block", 2, "cp2_block", ("--training.local_batch_size", "8", *CP, "2", *BLOCK)),
+    ("one", 4, "fsdp2_cp2", ("--training.local_batch_size", "4", *CP, "2")),
+    ("one_block", 4, "fsdp2_cp2_block", ("--training.local_batch_size", "4", *CP, "2", *BLOCK)),
+    ("one_block", 4, "cp2_tp2_block", ("--training.local_batch_size", "8", *CP, "2",
+                                        "--parallelism.tensor_parallel_degree", "2", *BLOCK)),
+    ("one", 4, "hsdp2_cp2_accum_delay", ("--training.local_batch_size", "2", *CP, "2",
+                                         "--parallelism.data_parallel_replicate_degree", "2",
+                                         "--parallelism.gradient_sync", "delay_all_reduce")),
+]  # fmt: skip
+
+
+def test_same_losses_and_gradients_at_every_cp_topology(tmp_path):
+    refs = [("one", ("--training.local_batch_size", "8")), ("one_block", ("--training.local_batch_size", "8", *BLOCK))]
+    results = run_distributed(_train, 1, str(tmp_path / "1"), refs)[0]
+    for world in (2, 4):
+        runs = [(name, argv) for _, w, name, argv in RUNS if w == world]
+        results.update(run_distributed(_train, world, str(tmp_path / str(world)), runs)[0])
+    assert results["one"][0] != results["one_block"][0]  # the masks differ
+    for ref, _, name, _ in RUNS:
+        (losses, grads), (ref_losses, ref_grads) = results[name], results[ref]
+        assert ref_losses[10] < ref_losses[1]
+        for step in ref_losses:
+            assert abs(losses[step] - ref_losses[step]) < 1e-5, (name, step, losses[step], ref_losses[step])
+        for n in ref_grads:
+            torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
+
+
+def _run(tmp, argv):
+    return make_trainer(ckpt_argv(tmp, "--checkpoint.interval", "3", *argv)).train()
+
+
+def _cp_runs(tmp, cp, resume):
+    """At this cp degree in tmp: 6 steps saving at 3 and 6, and again from step 3 (exact resume); or (resume) from
+    the step-3 checkpoint already in tmp to step 6."""
+    argv = (*CP, str(cp), "--training.local_batch_size", "8", *BLOCK)
+    if resume:
+        return _run(tmp, argv)
+    return _run(tmp, argv), _run(tmp, (*argv, "--checkpoint.load_step", "3"))
+
+
+def _from_step3(tmp_path, src, name):
+    shutil.copytree(src / "checkpoint" / "step-3", tmp_path / name / "checkpoint" / "step-3")
+    return str(tmp_path / name)
+
+
+def test_exact_resume_and_checkpoints_that_do_not_depend_on_cp(tmp_path):
+    first, again = run_distributed(_cp_runs, 2, str(tmp_path / "cp2"), 2, False)[0]
+    for step in (4, 5, 6):
+        assert again[step] == first[step]
+    one = run_distributed(_cp_runs, 1, _from_step3(tmp_path, tmp_path / "cp2", "one"), 1, True)[0]  # CP(2) -> 1
+    cp4 = run_distributed(_cp_runs, 4, _from_step3(tmp_path, tmp_path / "cp2", "cp4"), 4, True)[0]  # CP(2) -> CP(4)
+    fresh, _ = run_distributed(_cp_runs, 1, str(tmp_path / "fresh"), 1, False)[0]  # a checkpoint of one process
+    back = run_distributed(_cp_runs, 2, _from_step3(tmp_path, tmp_path / "fresh", "back"), 2, True)[0]  # 1 -> CP(2)
+    for step in (4, 5, 6):
+        for name, losses in (("one", one), ("cp4", cp4), ("fresh", fresh), ("back", back)):
+            assert abs(losses[step] - first[step]) < 1e-5, (name, step, losses[step], first[step])
