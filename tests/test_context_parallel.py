@@ -25,7 +25,8 @@ def _train(tmp, runs):
     """Per run (name, argv): logged losses, and every parameter's gradient of one more step (optimizer left out)."""
     out = {}
     for name, argv in runs:
-        t = make_trainer(tiny_argv(f"{tmp}/{name}", "--training.global_batch_size", "8", *argv))
+        val = ("--validation.enable", "--validation.freq", "5", "--validation.steps", "2")
+        t = make_trainer(tiny_argv(f"{tmp}/{name}", "--training.global_batch_size", "8", *val, *argv))
         if name.startswith("one"):  # the documents of a batch cross the 2 x cp chunk boundaries (chunks of 8)
             positions = t.dataloader.next_step().microbatches[0][2]
             t.dataloader.load_state_dict({**t.dataloader.state_dict(), "sequence_index": 0})
@@ -34,7 +35,7 @@ def _train(tmp, runs):
         t.optimizer.step, t.optimizer.zero_grad = (lambda *a, **k: None), (lambda *a, **k: None)
         data = t.dataloader.next_step()
         t.train_step(data.microbatches, data.global_valid_tokens)
-        out[name] = (losses, {n: _full(p.grad).clone() for n, p in t.model.named_parameters()})
+        out[name] = (losses, {n: _full(p.grad).clone() for n, p in t.model.named_parameters()}, t.val_losses)
     return out
 
 
@@ -59,7 +60,10 @@ def test_same_losses_and_gradients_at_every_cp_topology(tmp_path):
         results.update(run_distributed(_train, world, str(tmp_path / str(world)), runs)[0])
     assert results["one"][0] != results["one_block"][0]  # the masks differ
     for ref, _, name, _ in RUNS:
-        (losses, grads), (ref_losses, ref_grads) = results[name], results[ref]
+        (losses, grads, val), (ref_losses, ref_grads, ref_val) = results[name], results[ref]
+        assert val.keys() == ref_val.keys() == {5, 10}
+        for step in ref_val:  # validation splits its sequences over the cp ranks too
+            assert abs(val[step] - ref_val[step]) < 1e-5, (name, step, val[step], ref_val[step])
         assert ref_losses[10] < ref_losses[1]
         for step in ref_losses:
             assert abs(losses[step] - ref_losses[step]) < 1e-5, (name, step, losses[step], ref_losses[step])
