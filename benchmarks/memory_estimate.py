@@ -79,6 +79,12 @@ CASES = {
         "TP 2 (sequence + loss parallel), bf16, no AC",
         "--training.mixed_precision_param bfloat16 --parallelism.tensor_parallel_degree 2",
     ),
+    "cp2_fp32": (
+        2,
+        "CP 2 (each rank two chunks of the sequence, keys and values gathered), fp32, no AC, seq 4096",
+        "--parallelism.context_parallel_degree 2",
+        {"seq_len": 4096},  # 2048 tokens per rank, as the other cases
+    ),
     "fsdp2_lora_bf16_base": (
         2,
         "FSDP 2, LoRA rank 16 on every projection, base in bf16, bf16 compute, no AC",

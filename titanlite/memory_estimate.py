@@ -70,6 +70,7 @@ def activation_bytes(
     loss_parallel: bool = True,
     ep: int = 1,
     frozen_norms: bool = False,
+    cp: int = 1,
 ) -> dict[str, int]:
     """Peak activation bytes of one microbatch of `tokens` tokens on one rank, by part (and 'total').
 
@@ -82,10 +83,13 @@ def activation_bytes(
     stream's tokens; with loss parallelism 1 / tp of the logits). ep: an MoE's expert parallelism, which adds the
     token exchange of one block beside its recompute, and headroom for routing imbalance: the busiest rank is taken to
     receive EP_IMBALANCE times the average tokens for the experts' kept activations. frozen_norms: the norms'
-    weights get no gradients (a LoRA base), so they keep less (ModelArgs.block_activation_bytes).
+    weights get no gradients (a LoRA base), so they keep less (ModelArgs.block_activation_bytes). cp: context
+    parallelism, `tokens` being this rank's part of the sequences; attention keeps the gathered keys and values.
     """
     sp = tp > 1 and sequence_parallel
-    kept, rebuilt = block_bytes(args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel, ep, frozen_norms)
+    kept, rebuilt = block_bytes(
+        args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel, ep, frozen_norms, cp
+    )
     blocks = sum(kept)
     vocab = args.vocab_size // tp if loss_parallel or loss_chunk_tokens > 0 else args.vocab_size
     loss = vocab * (act_bytes if compiled_loss else 12)
@@ -115,11 +119,12 @@ def block_bytes(
     sequence_parallel: bool = True,
     ep: int = 1,
     frozen_norms: bool = False,
+    cp: int = 1,
 ) -> tuple[list[int], list[int]]:
     """Per block (arguments as activation_bytes'): the bytes it keeps for backward, and the bytes its backward
     rebuilds on top of them (a checkpointed block's whole forward; 0 for the others; under expert parallelism also
     the token exchange, and the experts' share grows by EP_IMBALANCE)."""
-    per_block = dict(args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms))
+    per_block = dict(args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms, cp))
     transient = 0.0
     if args.moe and ep > 1:
         for mode, experts in args.expert_activation_bytes(act_bytes, tp).items():

@@ -86,7 +86,7 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
     t, ac = cfg.training, cfg.activation_checkpoint
     return me.activation_bytes(
         plan.model_args,
-        local_batch_size * t.seq_len,
+        local_batch_size * t.seq_len // plan.dims.cp,  # context parallelism: this rank's part of the sequences
         dtype_bytes(t.mixed_precision_param),
         ac_blocks,
         ac.mode == "selective" and ac.selective_ac_option == "op",
@@ -98,6 +98,7 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
         loss_parallel=plan.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,
         ep=plan.dims.ep,
         frozen_norms=cfg.lora.enable,
+        cp=plan.dims.cp,
     )
 
 
@@ -106,7 +107,7 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dic
     activations (activations_for) are act."""
     t, ac = cfg.training, cfg.activation_checkpoint
     act_bytes = dtype_bytes(t.mixed_precision_param)
-    tokens = local_batch_size * t.seq_len
+    tokens = local_batch_size * t.seq_len // plan.dims.cp
     op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
     tp, sp = plan.dims.tp, cfg.parallelism.enable_sequence_parallel
     kept, rebuilt = me.block_bytes(
@@ -120,6 +121,7 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dic
         sp,
         plan.dims.ep,
         cfg.lora.enable,
+        plan.dims.cp,
     )
     return me.backward_peak(
         est.units,
@@ -164,7 +166,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         adapters = sum(p.numel() for p in built.model.parameters() if p.requires_grad) if cfg.lora.enable else 0
         unit_blocks = me.unit_blocks(built.model)
         output_unit = me.gathered_numel(built.model.output.weight)
-        sharded = plan.dims.dp_shard > 1
+        sharded = plan.dims.fsdp_size > 1  # FSDP shards over the cp ranks too
         total_params = sum(p.numel() for p in built.model.parameters())
         setup_lines = describe(built.num_sharded, mesh, plan.dims, cfg.parallelism)
     finally:
@@ -251,7 +253,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
     """The dry run's report lines for this job, and whether it fits a GPU of gpu_mem_gib."""
     est = estimate(cfg, plan, world_size)
     t, args, ac = cfg.training, plan.model_args, cfg.activation_checkpoint
-    tokens = t.local_batch_size * t.seq_len
+    tokens = t.local_batch_size * t.seq_len // plan.dims.cp  # this rank's part of the sequences
     act, buffers, gpu_total, on_cpu = est.activations, est.fsdp_buffers, est.gpu_total, est.on_cpu
     total_params, lines = est.total_params, est.setup_lines
     usable = gpu_mem_gib * (1 - RESERVE_FRACTION)

@@ -164,7 +164,7 @@ class ModelArgs:
         return 6 * self.param_counts()["active_non_embedding"] + attention
 
     def block_activation_bytes(
-        self, act_bytes: int, tp: int = 1, sequence_parallel: bool = True, frozen_norms: bool = False
+        self, act_bytes: int, tp: int = 1, sequence_parallel: bool = True, frozen_norms: bool = False, cp: int = 1
     ) -> dict[str, int]:
         """Bytes per token one block keeps for backward on one rank: 'none' (no AC), 'full' (full AC), 'op'
         (selective 'op') and 'op_every_second' (selective 'op', TorchTitan's every-second-matmul policy), counted
@@ -185,6 +185,9 @@ class ModelArgs:
         ranks, heads, q, kv and ffn are each rank's share (/ tp); with sequence parallelism the residual stream and
         the norms hold 1 / tp of the tokens, the matmuls keep their whole-sequence inputs (all-gathered, 2*dim*a)
         and the out-projections' whole-sequence outputs before the reduce-scatter (selective 'op').
+
+        cp (context parallelism): per token of this rank's part of the sequences; attention keeps every cp rank's
+        keys and values, gathered (and a contiguous copy of them): 4*kv*a*(cp - 1) more per token.
 
         frozen_norms (a LoRA base): a norm whose weight gets no gradient does not keep its fp32 x/rms (4*dim per
         norm; Qwen3's q/k norms 4*(q + kv)).
@@ -210,7 +213,9 @@ class ModelArgs:
             norms += (q + kv) * (4 + 4) + 4 * (heads + kv_heads)  # its output is RoPE's saved input
         if frozen_norms:
             norms -= 2 * d * 4 * share + ((q + kv) * 4 if self.qk_norm else 0)
-        lse = 4 * heads
+        # the other cp ranks' keys and values, gathered: kept by attention and, as the CPU's SDPA measures, once more
+        # in the contiguous layout it computes in (MemTracker, benchmarks/memory_estimate.py cp2_fp32)
+        lse = 4 * heads + 4 * kv * act_bytes * (cp - 1)
         if self.moe:
             e, experts = self.n_experts, self.expert_activation_bytes(act_bytes, tp)
             ffn_none = (4 * d + 4 * e + 4 + 28 * self.top_k) / tp + experts["none"]
