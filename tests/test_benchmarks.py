@@ -114,3 +114,11 @@ def test_lora_benchmark_prints_its_table():
     lora = re.search(r"LoRA r=4\s+0\.0\dM of [\d.]+M\s+\d+\s+x[\d.]+\s+(\d+)\s+\d+\s+\d+\s+(\d+)", out)
     assert full and lora, out
     assert int(lora.group(2)) < 1  # no optimizer state for the base
+
+
+def test_context_parallel_benchmark_prints_its_tables():
+    out = _bench("context_parallel.py", "--seq-len", "128", "--layers", "1", "--hidden", "64", "--intermediate",
+                 "128", "--vocab", "512", "--steps", "1", "--rounds", "1")  # fmt: skip
+    assert re.search(r"CP\(2\), 2 processes\s+\d+\s+[\d,]+\s+x[\d.]+", out), out
+    assert re.search(r"4\s+two chunks, one from each end\s+[\d. ]+\s+1\.00", out), out
+    assert re.search(r"4\s+one contiguous block\s+[\d. ]+\s+1\.75", out), out
