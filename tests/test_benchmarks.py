@@ -121,4 +121,4 @@ def test_context_parallel_benchmark_prints_its_tables():
                  "128", "--vocab", "512", "--steps", "1", "--rounds", "1")  # fmt: skip
     assert re.search(r"CP\(2\), 2 processes\s+\d+\s+[\d,]+\s+x[\d.]+", out), out
     assert re.search(r"4\s+two chunks, one from each end\s+[\d. ]+\s+1\.00", out), out
-    assert re.search(r"4\s+one contiguous block\s+[\d. ]+\s+1\.75", out), out
+    assert re.search(r"4\s+one contiguous block\s+[\d. ]+\s+1\.7\d", out), out  # the last of 4 blocks: 1.75x
