@@ -42,6 +42,8 @@ def _train(tmp, runs):
 RUNS = [  # (reference, world, name, argv)
     ("one", 2, "cp2", ("--training.local_batch_size", "8", *CP, "2")),
     ("one_block", 2, "cp2_block", ("--training.local_batch_size", "8", *CP, "2", *BLOCK)),
+    ("one", 2, "cp2_full_ac_compiled", ("--training.local_batch_size", "8", *CP, "2", "--activation_checkpoint.mode",
+                                        "full", "--compile.enable", "--compile.backend", "aot_eager")),
     ("one", 4, "fsdp2_cp2", ("--training.local_batch_size", "4", *CP, "2")),
     ("one_block", 4, "fsdp2_cp2_block", ("--training.local_batch_size", "4", *CP, "2", *BLOCK)),
     ("one_block", 4, "cp2_tp2_block", ("--training.local_batch_size", "8", *CP, "2",

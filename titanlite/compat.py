@@ -101,3 +101,13 @@ def local_rows(t: torch.Tensor) -> tuple[int, int]:
         return 0, t.shape[0]
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return offset[0], shape[0]
+
+
+def all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x of `group` stacked along dim 0, differentiable (backward reduce-scatters) and traceable by
+    torch.compile: functional collectives' all_gather_single_autograd (torch 2.13; all_gather_tensor_autograd
+    before, deprecated since)."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(x, 0, group)

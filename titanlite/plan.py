@@ -93,7 +93,6 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) 
         )
     unsupported = [
         (args.moe, f"a Mixture of Experts ({cfg.model.name})"),
-        (cfg.compile.enable, "compile.enable = true"),
         (t.loss_chunk_tokens == 0, "training.loss_chunk_tokens = 0 (the loss of whole logits)"),
     ]
     for bad, what in unsupported:

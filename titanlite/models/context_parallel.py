@@ -13,9 +13,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 
-from titanlite.compat import compiled_create_block_mask
+from titanlite.compat import all_gather_autograd, compiled_create_block_mask
 from titanlite.models.rope_attention import block_causal_kernel, document_ids
 
 
@@ -36,36 +35,16 @@ def local_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     return _chunk_order(seq_len, cp)[rank * per_rank : (rank + 1) * per_rank].to(device)
 
 
-@lru_cache(maxsize=16)
-def _inverse_order(seq_len: int, cp: int) -> torch.Tensor:
-    return torch.argsort(_chunk_order(seq_len, cp))
+def inverse_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """Where each global token index sits among the ranks' tokens stacked rank after rank."""
+    return torch.argsort(_chunk_order(seq_len, cp)).to(device)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence (dim 1) over a group; backward reduce-scatters (sums) the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        size = dist.get_world_size(group)
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # ranks stacked along dim 0, then moved to dim 1
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out.view(size, *x.shape).transpose(0, 1).flatten(1, 2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        size = dist.get_world_size(ctx.group)
-        b, s = grad.shape[:2]
-        stacked = grad.view(b, size, s // size, *grad.shape[2:]).transpose(0, 1).contiguous()
-        out = grad.new_empty(stacked.shape[1:])
-        dist.reduce_scatter_tensor(out, stacked.flatten(0, 1), group=ctx.group)
-        return out, None
-
-
-def gather_sequence(x: torch.Tensor, group, seq_len: int) -> torch.Tensor:
-    """Every cp rank's part of x (batch, local seq, ...) joined in sequence order (batch, seq_len, ...)."""
-    gathered = _GatherSequence.apply(x, group)
-    return gathered.index_select(1, _inverse_order(seq_len, dist.get_world_size(group)).to(x.device))
+def gather_sequence(x: torch.Tensor, group, inverse: torch.Tensor) -> torch.Tensor:
+    """Every cp rank's part of x (batch, local seq, ...) joined in sequence order (batch, seq, ...); inverse from
+    inverse_order. Its gradient is reduce-scattered back (functional collectives: traceable by torch.compile)."""
+    gathered = all_gather_autograd(x.transpose(0, 1).contiguous(), group)  # ranks' tokens along dim 0
+    return gathered.index_select(0, inverse).transpose(0, 1)
 
 
 def _cp_mask_mod(q_index: torch.Tensor, docs: torch.Tensor | None):

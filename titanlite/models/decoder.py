@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
 from titanlite.models.chunked_loss import chunked_linear_cross_entropy
-from titanlite.models.context_parallel import cp_attention_mask, gather_sequence, local_index
+from titanlite.models.context_parallel import cp_attention_mask, gather_sequence, inverse_order, local_index
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.lora import adapter_init, is_adapter
 from titanlite.models.moe import MoE, aux_loss_sum, moe_layers, record_forward
@@ -32,6 +32,7 @@ __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "rope_table"]
 
 class Attention(nn.Module):
     cp_group = None  # context parallelism: keys and values are gathered over this group (set_context_parallel)
+    cp_inverse: torch.Tensor | None = None  # where each token sits among the gathered ones (set per forward)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -56,8 +57,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.cp_group is not None and cache is None:  # every cp rank's keys and values, in sequence order
-            seq_len = s * dist.get_world_size(self.cp_group)
-            k, v = gather_sequence(k, self.cp_group, seq_len), gather_sequence(v, self.cp_group, seq_len)
+            k, v = (
+                gather_sequence(k, self.cp_group, self.cp_inverse),
+                gather_sequence(v, self.cp_group, self.cp_inverse),
+            )
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None:
             out = attend(q, k, v, mask)
@@ -195,8 +198,11 @@ class Transformer(nn.Module):
 
     def _context_parallel_part(self, tokens, labels, positions):
         """This cp rank's tokens and labels, their rotations, and its queries' mask over the whole sequence."""
-        seq_len = tokens.shape[1]
-        index = local_index(seq_len, dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group), tokens.device)
+        seq_len, cp = tokens.shape[1], dist.get_world_size(self.cp_group)
+        index = local_index(seq_len, cp, dist.get_rank(self.cp_group), tokens.device)
+        inverse = inverse_order(seq_len, cp, tokens.device)
+        for layer in self.layers:
+            layer.attention.cp_inverse = inverse
         block = positions is not None and self.args.attention == "block_causal"
         rope = self.rope[positions[:, index]] if block else self.rope[index]
         mask = cp_attention_mask(index, seq_len, positions if block else None, self.attention_kernel)
