@@ -81,9 +81,9 @@ CASES = {
     ),
     "cp2_fp32": (
         2,
-        "CP 2 (each rank two chunks of the sequence, keys and values gathered), fp32, no AC, seq 4096",
+        "CP 2 (each rank two chunks of the sequence, keys and values gathered), fp32, no AC, seq 4096, vocab 8192",
         "--parallelism.context_parallel_degree 2",
-        {"seq_len": 4096},  # 2048 tokens per rank, as the other cases
+        {"seq_len": 4096, "vocab": 8192},  # 2048 tokens per rank, as the other cases
     ),
     "fsdp2_lora_bf16_base": (
         2,
