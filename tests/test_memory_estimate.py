@@ -1,6 +1,6 @@
-"""The dry run's memory estimate against real CPU runs at a reduced shape (wide, shallow, long sequence):
-each part against torch's FSDPMemTracker, and the step's peak also against the peak RSS of a real training run
-(benchmarks/memory_estimate.py measures both; the table of every case is in docs/performance.md)."""
+"""The dry run's memory estimate against real CPU runs at a reduced shape (wide, shallow, long sequence): each part
+against torch's FSDPMemTracker (benchmarks/memory_estimate.py also measures the peak RSS of real training runs; the
+table of every case is in docs/performance.md)."""
 
 import json
 
@@ -8,15 +8,15 @@ import pytest
 
 from helpers import run_benchmark
 
-pytestmark = pytest.mark.slow  # four cases of two processes each, one or three runs per case: about 2 minutes
+pytestmark = pytest.mark.slow  # four cases of two processes each: about 1.5 minutes
 
 TOLERANCE = 0.10
 # FSDP buffers in mixed precision with selective AC (peak at the end of forward); a peak in backward (full AC,
 # 6 blocks); LoRA (a frozen bf16 base: no gradients or optimizer state for it, less kept by its norms); context
 # parallelism (half the tokens per rank, keys and values gathered). TP's case is tests/test_tensor_parallel.py's.
 CASES = ["fsdp2_bf16_op", "fsdp2_fp32_full_deep", "fsdp2_lora_bf16_base", "cp2_fp32"]
-# two real runs fewer each (half a minute or more); their parts are checked against the tracker
-TRACKER_ONLY = ["fsdp2_fp32_full_deep", "fsdp2_lora_bf16_base", "cp2_fp32"]
+# Against the tracker only: the real runs' peak RSS (two runs of half a minute per case) agrees with the tracker's peak
+# within 0.7% in every case benchmarks/memory_estimate.py measures (docs/performance.md), so they stay out of the suite.
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory") / "figures.json"
     # No wall-clock limit: about 3.5 minutes on this project's 2-core machine, several times that on a slower one;
     # a rank that hangs is ended by the runs' own hang watch (training.hang_timeout_seconds) and gloo's timeout.
-    run_benchmark("memory_estimate.py", "--cases", *CASES, "--no-rss", *TRACKER_ONLY, "--json", out, timeout=None)
+    run_benchmark("memory_estimate.py", "--cases", *CASES, "--no-rss", *CASES, "--json", out, timeout=None)
     return json.loads(out.read_text())
 
 
@@ -35,12 +35,6 @@ def test_every_part_is_within_ten_percent_of_memtracker(measured, case):
     split = () if tracked["peak_in_backward"] else ("fsdp_buffers", "activations")
     for part in ("params", "grads", "optimizer", *split, "buffers+activations", "peak"):
         assert abs(est[part] / tracked[part] - 1) < TOLERANCE, (case, part, est[part], tracked[part])
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c not in TRACKER_ONLY])
-def test_peak_is_within_ten_percent_of_a_real_runs_peak_rss(measured, case):
-    est, rss = measured[case]["estimate"]["peak"], measured[case]["rss"]["peak"]
-    assert abs(est / rss - 1) < TOLERANCE, (case, est, rss)
 
 
 def test_the_cases_peak_where_they_are_meant_to(measured):
