@@ -82,7 +82,7 @@ RUNS = [
      ("--training.local_batch_size", "4", "--activation_checkpoint.mode", "full", "--compile.enable",
       "--compile.backend", "aot_eager")),
 ]  # fmt: skip
-DROPOUT = [(2, "fsdp2_dropout", ("--training.local_batch_size", "4", "--lora.dropout", "0.1"))]
+DROPOUT = [(2, "tp2_dropout", ("--training.local_batch_size", "8", *TP2, "--lora.dropout", "0.1"))]
 
 
 def _one_process(tmp, base_path, runs):
@@ -105,7 +105,7 @@ def test_same_losses_at_every_topology_and_the_base_at_step_0(tmp_path, base):
     assert torch.equal(ref_logits, base_logits)  # B = 0: the adapted model is its base
     assert trainable and all(".lora_" in n for n in trainable)
     assert ref_losses[10] < ref_losses[1]
-    dropped = results["fsdp2_dropout"][0]  # dropout draws its own masks: it trains, but not to the same numbers
+    dropped = results["tp2_dropout"][0]  # dropout draws its own masks: it trains, but not to the same numbers
     assert all(abs(dropped[s] - ref_losses[s]) < 0.5 for s in ref_losses) and dropped[10] != ref_losses[10]
     for _, name, _ in RUNS:
         losses, logits, grads, names = results[name]

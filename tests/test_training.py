@@ -61,26 +61,28 @@ def test_sharding_world4(tmp_path, replicate):
                 assert torch.equal(gathered[r][name], gathered[r + shard][name]), name
 
 
-def _full_state(argv):
-    t = make_trainer(argv)
-    sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in t.model.state_dict().items()}
-    return sd if t.env.rank == 0 else None
+def _full_states(argvs):
+    """The full step-0 weights of a Trainer for each argv (one spawned world runs them all)."""
+    out = []
+    for argv in argvs:
+        t = make_trainer(argv)
+        out.append({k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in t.model.state_dict().items()})
+    return out
 
 
 def test_init_is_topology_invariant(tmp_path):
     argv = tiny_argv(tmp_path)
-    ref = run_distributed(_full_state, 1, argv)[0]
+    ref, other_seed = run_distributed(_full_states, 1, [argv, argv + ["--training.seed", "7"]])[0]
     others = [
-        run_distributed(_full_state, 2, argv)[0],
-        run_distributed(_full_state, 4, argv)[0],
-        run_distributed(_full_state, 4, argv + ["--parallelism.data_parallel_replicate_degree", "2"])[0],
+        *run_distributed(_full_states, 2, [argv])[0],
+        *run_distributed(_full_states, 4, [argv, argv + ["--parallelism.data_parallel_replicate_degree", "2"]])[0],
     ]
+    assert len(others) == 3
     for sd in others:
         assert sd.keys() == ref.keys()
         for k in ref:
             assert torch.equal(sd[k], ref[k]), k
     # a different seed gives different weights
-    other_seed = run_distributed(_full_state, 1, argv + ["--training.seed", "7"])[0]
     assert not torch.equal(other_seed["layers.0.attention.wq.weight"], ref["layers.0.attention.wq.weight"])
 
 
