@@ -87,9 +87,10 @@ CASES = {
     ),
     "fsdp2_lora_bf16_base": (
         2,
-        "FSDP 2, LoRA rank 16 on every projection, base in bf16, bf16 compute, no AC",
+        "FSDP 2, LoRA rank 16 on every projection, base in bf16, bf16 compute, no AC, vocab 8192",
         "--training.mixed_precision_param bfloat16 --lora.enable true --lora.base_dtype bfloat16 "
         "--checkpoint.initial_load_path {base}",
+        {"vocab": 8192},
     ),
 }
 

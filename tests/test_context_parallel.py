@@ -9,12 +9,16 @@ import shutil
 import pytest
 import torch
 
+from titanlite.loss import microbatch_loss
+
 from helpers import ckpt_argv, make_trainer, run_distributed, tiny_argv
 
 pytestmark = pytest.mark.slow  # spawned gloo ranks
 
 CP = ("--parallelism.context_parallel_degree",)
 BLOCK = ("--model.attention", "block_causal")
+MOE = ("--model.name", "qwen3_moe", "--moe.load_balance", "aux_loss")  # statistics summed over the cp (x tp) ranks
+EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
 def _full(t):
@@ -27,7 +31,7 @@ def _train(tmp, runs):
     for name, argv in runs:
         val = ("--validation.enable", "--validation.freq", "5", "--validation.steps", "2")
         t = make_trainer(tiny_argv(f"{tmp}/{name}", "--training.global_batch_size", "8", *val, *argv))
-        if name.startswith("one"):  # the documents of a batch cross the 2 x cp chunk boundaries (chunks of 8)
+        if name in ("one", "one_block"):  # the documents of a batch cross the 2 x cp chunk boundaries (chunks of 8)
             positions = t.dataloader.next_step().microbatches[0][2]
             t.dataloader.load_state_dict({**t.dataloader.state_dict(), "sequence_index": 0})
             assert (positions[:, 8::8] != 0).any()
@@ -41,13 +45,17 @@ def _train(tmp, runs):
 
 RUNS = [  # (reference, world, name, argv)
     ("one", 2, "cp2", ("--training.local_batch_size", "8", *CP, "2")),
-    ("one_block", 2, "cp2_block", ("--training.local_batch_size", "8", *CP, "2", *BLOCK)),
     ("one", 2, "cp2_full_ac_compiled", ("--training.local_batch_size", "8", *CP, "2", "--activation_checkpoint.mode",
                                         "full", "--compile.enable", "--compile.backend", "aot_eager")),
     ("one", 4, "fsdp2_cp2", ("--training.local_batch_size", "4", *CP, "2")),
     ("one_block", 4, "fsdp2_cp2_block", ("--training.local_batch_size", "4", *CP, "2", *BLOCK)),
     ("one_block", 4, "cp2_tp2_block", ("--training.local_batch_size", "8", *CP, "2",
                                         "--parallelism.tensor_parallel_degree", "2", *BLOCK)),
+    ("one_moe", 2, "cp2_moe", ("--training.local_batch_size", "8", *CP, "2", *MOE)),
+    ("one_moe", 2, "cp2_ep2_moe", ("--training.local_batch_size", "8", *CP, "2", *MOE, *EP2)),
+    ("one_moe", 4, "fsdp2_cp2_ep2_moe", ("--training.local_batch_size", "4", *CP, "2", *MOE, *EP2)),
+    ("one_moe", 4, "cp2_tp2_moe", ("--training.local_batch_size", "8", *CP, "2", *MOE,
+                                   "--parallelism.tensor_parallel_degree", "2")),
     ("one", 4, "hsdp2_cp2_accum_delay", ("--training.local_batch_size", "2", *CP, "2",
                                          "--parallelism.data_parallel_replicate_degree", "2",
                                          "--parallelism.gradient_sync", "delay_all_reduce")),
@@ -55,7 +63,11 @@ RUNS = [  # (reference, world, name, argv)
 
 
 def test_same_losses_and_gradients_at_every_cp_topology(tmp_path):
-    refs = [("one", ("--training.local_batch_size", "8")), ("one_block", ("--training.local_batch_size", "8", *BLOCK))]
+    refs = [
+        ("one", ("--training.local_batch_size", "8")),
+        ("one_block", ("--training.local_batch_size", "8", *BLOCK)),
+        ("one_moe", ("--training.local_batch_size", "8", *MOE)),
+    ]
     results = run_distributed(_train, 1, str(tmp_path / "1"), refs)[0]
     for world in (2, 4):
         runs = [(name, argv) for _, w, name, argv in RUNS if w == world]
@@ -83,7 +95,17 @@ def _cp_runs(tmp, cp, resume):
     argv = (*CP, str(cp), "--training.local_batch_size", "8", *BLOCK)
     if resume:
         return _run(tmp, argv)
-    return _run(tmp, argv), _run(tmp, (*argv, "--checkpoint.load_step", "3"))
+    first = _run(tmp, argv)
+    t = make_trainer(ckpt_argv(tmp, "--checkpoint.interval", "3", "--checkpoint.load_step", "3", *argv))
+    again = t.train()
+    # the mask as FlexAttention's block mask (what CUDA runs; forward only: it has no backward on the CPU)
+    mb = t.dataloader.next_step().microbatches[0]
+    with torch.no_grad():
+        by_kernel = {}
+        for kernel in ("sdpa", "flex"):
+            t.model.attention_kernel = kernel
+            by_kernel[kernel] = microbatch_loss(t.model, mb, t.device)[0].item()
+    return first, again, by_kernel
 
 
 def _from_step3(tmp_path, src, name):
@@ -92,12 +114,13 @@ def _from_step3(tmp_path, src, name):
 
 
 def test_exact_resume_and_checkpoints_that_do_not_depend_on_cp(tmp_path):
-    first, again = run_distributed(_cp_runs, 2, str(tmp_path / "cp2"), 2, False)[0]
+    first, again, by_kernel = run_distributed(_cp_runs, 2, str(tmp_path / "cp2"), 2, False)[0]
     for step in (4, 5, 6):
         assert again[step] == first[step]
+    assert abs(by_kernel["flex"] - by_kernel["sdpa"]) < 1e-5 * by_kernel["sdpa"], by_kernel
     one = run_distributed(_cp_runs, 1, _from_step3(tmp_path, tmp_path / "cp2", "one"), 1, True)[0]  # CP(2) -> 1
     cp4 = run_distributed(_cp_runs, 4, _from_step3(tmp_path, tmp_path / "cp2", "cp4"), 4, True)[0]  # CP(2) -> CP(4)
-    fresh, _ = run_distributed(_cp_runs, 1, str(tmp_path / "fresh"), 1, False)[0]  # a checkpoint of one process
+    fresh = run_distributed(_cp_runs, 1, str(tmp_path / "fresh"), 1, False)[0][0]  # a checkpoint of one process
     back = run_distributed(_cp_runs, 2, _from_step3(tmp_path, tmp_path / "fresh", "back"), 2, True)[0]  # 1 -> CP(2)
     for step in (4, 5, 6):
         for name, losses in (("one", one), ("cp4", cp4), ("fresh", fresh), ("back", back)):

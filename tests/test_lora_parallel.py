@@ -77,7 +77,6 @@ RUNS = [
     (2, "tp2", ("--training.local_batch_size", "8", *TP2)),
     (4, "hsdp2x2_accum_delay",
      ("--training.local_batch_size", "1", *REPLICATE2, "--parallelism.gradient_sync", "delay_all_reduce")),
-    (4, "fsdp2_tp2", ("--training.local_batch_size", "4", *TP2)),
     (2, "fsdp2_full_ac_compiled",
      ("--training.local_batch_size", "4", "--activation_checkpoint.mode", "full", "--compile.enable",
       "--compile.backend", "aot_eager")),

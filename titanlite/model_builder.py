@@ -43,7 +43,9 @@ def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
     return 0 if compiled_loss(cfg, tp) else cfg.training.loss_chunk_tokens
 
 
-def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False, expert_mesh=None, cp_mesh=None) -> BuiltModel:
+def build_model(
+    cfg: JobConfig, args, mesh, *, inference: bool = False, expert_mesh=None, cp_mesh=None, sequence_mesh=None
+) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
 
     Training applies tensor parallelism (a "tp" mesh dimension), [lora] adapters (models/lora.py: the base frozen),
@@ -72,7 +74,7 @@ def build_model(cfg: JobConfig, args, mesh, *, inference: bool = False, expert_m
         if mesh is not None:
             apply_ep(model, expert_mesh, tp=1 if tp_mesh is None else tp_mesh.size())
     if cp_mesh is not None:  # context parallelism: each rank computes its chunks of every sequence
-        model.set_context_parallel(cp_mesh.get_group())
+        model.set_context_parallel(cp_mesh.get_group(), sequence_mesh.get_group() if sequence_mesh else None)
     if not inference:
         model.loss_chunk_tokens = chunked_loss_tokens(cfg, 1 if tp_mesh is None else tp_mesh.size())
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)

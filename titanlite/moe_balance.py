@@ -22,9 +22,11 @@ class LoadBalance:
         self.model, self.layers = model, moe_layers(model) if args.moe else []
         mode = moe_cfg.load_balance if self.layers else "none"
         coef = args.router_aux_loss_coef if moe_cfg.aux_loss_coef < 0 else moe_cfg.aux_loss_coef
-        self.aux_scale = coef * dims.dp_degree / global_batch_size if mode == "aux_loss" else 0.0
+        # FSDP averages over the cp ranks too, each holding the same aux values (their statistics are summed over cp)
+        cp = getattr(dims, "cp", 1)
+        self.aux_scale = coef * dims.dp_degree * cp / global_batch_size if mode == "aux_loss" else 0.0
         self.bias_rate = moe_cfg.bias_update_rate if mode == "aux_free" else 0.0
-        self.tp, self.global_batch_size = dims.tp, global_batch_size
+        self.tp, self.global_batch_size = dims.tp * cp, global_batch_size  # ranks holding the same aux values
         self._aux_sum: torch.Tensor | None = None  # this step's aux values on this rank (for the log)
 
     def aux_term(self) -> torch.Tensor | float:

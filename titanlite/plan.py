@@ -82,17 +82,17 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) 
     if cp == 1:
         return
     p, t = cfg.parallelism, cfg.training
-    split = 2 * cp * (dims.tp if dims.tp > 1 and p.enable_sequence_parallel else 1)
+    # an MoE's tp ranks route their own shares of each rank's tokens, with or without sequence parallelism
+    split = 2 * cp * (dims.tp if dims.tp > 1 and (p.enable_sequence_parallel or args.moe) else 1)
     if t.seq_len % split:
         what = f"2 x context_parallel_degree {cp}" + (
-            f" x tensor_parallel_degree {dims.tp} (sequence parallelism)" if split != 2 * cp else ""
+            f" x tensor_parallel_degree {dims.tp} (sequence parallelism or an MoE)" if split != 2 * cp else ""
         )
         raise ConfigError(
             f"training.seq_len = {t.seq_len} does not split into {what} = {split} equal chunks (each cp rank "
             f"takes two, one from each end); valid: a multiple of {split}, e.g. {t.seq_len + (-t.seq_len) % split}"
         )
     unsupported = [
-        (args.moe, f"a Mixture of Experts ({cfg.model.name})"),
         (t.loss_chunk_tokens == 0, "training.loss_chunk_tokens = 0 (the loss of whole logits)"),
     ]
     for bad, what in unsupported:

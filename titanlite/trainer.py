@@ -80,6 +80,7 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         self.expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.model_args.moe else None
         self.cp_mesh = self.dims.build_cp_mesh(self.device.type)
+        self.sequence_mesh = self.dims.build_sequence_mesh(self.device.type) if self.model_args.moe else None
         # Data: every dp rank reads its own sequences (the ranks build a missing token store together).
         loader_args = dict(
             dp_rank=self.dims.dp_rank(self.env.rank),  # the cp and tp ranks of one dp rank read the same batches
@@ -96,7 +97,14 @@ class Trainer:
             for warning in degenerate_run_warnings(cfg, self.device.type, self.dataloader):
                 logger.warning(warning)
 
-        built = build_model(cfg, self.model_args, self.mesh, expert_mesh=self.expert_mesh, cp_mesh=self.cp_mesh)
+        built = build_model(
+            cfg,
+            self.model_args,
+            self.mesh,
+            expert_mesh=self.expert_mesh,
+            cp_mesh=self.cp_mesh,
+            sequence_mesh=self.sequence_mesh,
+        )
         self.model, self.num_sharded = built.model, built.num_sharded
         self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
         self.model.init_weights(cfg.training.seed)

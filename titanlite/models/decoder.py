@@ -193,11 +193,14 @@ class Transformer(nn.Module):
 
     cp_group = None  # context parallelism (set_context_parallel): forward computes this rank's part of sequences
 
-    def set_context_parallel(self, group) -> None:
-        """Split every sequence over the ranks of `group` (context parallelism; models/context_parallel.py)."""
+    def set_context_parallel(self, group, sequence_group=None) -> None:
+        """Split every sequence over the ranks of `group` (context parallelism; models/context_parallel.py); an MoE
+        sums its load-balancing statistics over sequence_group (the cp x tp ranks; None: `group`)."""
         self.cp_group = group
         for layer in self.layers:
             layer.attention.cp_group = group
+        for m in moe_layers(self):
+            m.sequence_group = sequence_group or group
 
     def _context_parallel_part(self, tokens, labels, positions):
         """This cp rank's tokens and labels, their rotations, and its queries' mask over the whole sequence."""

@@ -153,6 +153,9 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)
         self.load_balance = "none"  # set by the model builder
         self.tp_group = None  # under tensor parallelism: the ranks that each route their own share of the tokens
+        # the ranks whose tokens make up the same sequences (tp, and context parallelism's cp x tp): their load-
+        # balancing statistics are summed (the router's gradient only over tp: FSDP already reduces it over cp)
+        self.sequence_group = None
         self.last_counts: torch.Tensor | None = None  # this forward's slots per expert
         self.last_sequence_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # aux_loss: (P, f) per sequence
 
@@ -188,9 +191,10 @@ class MoE(nn.Module):
             1, chosen.view(b, -1), torch.ones(b, s * self.top_k, device=probs.device)
         )
         sums, tokens = torch.cat([prob_sum, slots]), s
-        if self.tp_group is not None:
-            sums = _SumOverGroup.apply(sums, self.tp_group)
-            tokens = s * dist.get_world_size(self.tp_group)
+        group = self.sequence_group or self.tp_group
+        if group is not None:
+            sums = _SumOverGroup.apply(sums, group)
+            tokens = s * dist.get_world_size(group)
         return sums[:b] / tokens, sums[b:] / tokens
 
 

@@ -68,8 +68,8 @@ class ParallelDims:
             )
         tp //= cp
         ep = getattr(parallelism, "expert_parallel_degree", 1)
-        if (shard * tp) % ep:
-            borrowed = shard * tp
+        if (shard * cp * tp) % ep:
+            borrowed = shard * cp * tp
             raise ConfigError(
                 f"parallelism.expert_parallel_degree = {ep} does not divide the {borrowed} ranks it is drawn from "
                 f"(data_parallel_shard_degree {shard}{with_tp}); valid: "
@@ -118,6 +118,13 @@ class ParallelDims:
         """Ranks FSDP averages gradients over inside a replica group (shard x cp)."""
         return self.dp_shard * self.cp
 
+    def build_sequence_mesh(self, device_type: str):
+        """The 1-D mesh of the cp x tp ranks that share this rank's sequences (None unless cp > 1 and tp > 1: then
+        the cp or tp mesh is it): an MoE sums its load-balancing statistics over them."""
+        if self.cp == 1 or self.tp == 1:
+            return None
+        return init_device_mesh(device_type, (self.dp_degree, self.cp * self.tp), mesh_dim_names=("dp", "seq"))["seq"]
+
     def build_cp_mesh(self, device_type: str):
         """The 1-D "cp" mesh of this rank's context-parallel group (None without cp): over it attention gathers
         keys and values."""
@@ -152,14 +159,14 @@ class ParallelDims:
 
     @property
     def expert_fsdp(self) -> int:
-        """The ranks each expert is FSDP-sharded over inside a replica group: dp_shard x tp / ep."""
-        return self.dp_shard * self.tp // self.ep
+        """The ranks each expert is FSDP-sharded over inside a replica group: dp_shard x cp x tp / ep."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     def build_expert_mesh(self, device_type: str):
         """The mesh of an MoE model's experts, over the same ranks (None when it would be the data-parallel one:
         ep 1 and tp 1): ("dp_replicate",) "efsdp", "ep", from the ranks of dp_shard x tp, ep innermost (a tp group's
         ranks route their own shares of the tokens, so they count as data-parallel ranks for the experts)."""
-        if self.ep == 1 and self.tp == 1:
+        if self.ep == 1 and self.tp == 1:  # (with cp: the data-parallel mesh, "dp_shard_cp", holds them)
             return None
         names = (("dp_replicate",) if self.dp_replicate > 1 else ()) + ("efsdp", "ep")
         shape = ((self.dp_replicate,) if self.dp_replicate > 1 else ()) + (self.expert_fsdp, self.ep)
