@@ -152,16 +152,6 @@ def base_weight_name(adapter: str) -> str:
     raise ValueError(f"{adapter} is not an adapter parameter")
 
 
-def adapter_param_count(args: ModelArgs, roles: list[str], rank: int) -> int:
-    """Parameters the adapters of these roles add to the model."""
-    shapes = args.block_shapes()
-    total = 0
-    for role in roles:
-        out, inp = shapes[f"{ROLE_MODULES[role]}.weight"]
-        total += rank * (inp + out)
-    return total * args.n_layers
-
-
 # ---------------------------------------------------------------- peft's format
 
 PEFT_PREFIX = "base_model.model."  # peft's wrapper of a transformers model, as its saved keys begin
