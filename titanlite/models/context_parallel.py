@@ -29,12 +29,14 @@ def _chunk_order(seq_len: int, cp: int) -> torch.Tensor:
     return torch.tensor(order)
 
 
+@lru_cache(maxsize=16)
 def local_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """The global indices of the tokens cp rank `rank` holds, in its order."""
     per_rank = seq_len // cp
     return _chunk_order(seq_len, cp)[rank * per_rank : (rank + 1) * per_rank].to(device)
 
 
+@lru_cache(maxsize=16)
 def inverse_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
     """Where each global token index sits among the ranks' tokens stacked rank after rank."""
     return torch.argsort(_chunk_order(seq_len, cp)).to(device)

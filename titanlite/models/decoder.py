@@ -177,7 +177,7 @@ class Transformer(nn.Module):
             rope, mask = self.rope[positions], block_causal_mask(positions, self.attention_kernel)
         h = self.tok_embeddings(tokens)
         # one additive mask for every layer: SDPA would convert a boolean one in each layer and keep every copy
-        if self.cp_group is not None and isinstance(mask, torch.Tensor):
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layers[i])
