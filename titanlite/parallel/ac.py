@@ -6,7 +6,12 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 # Selective "op" checkpointing keeps these outputs and recomputes everything else (norms, RoPE,
 # activations, residual adds): the matmuls and attention are the expensive ops to run twice.
@@ -20,6 +25,15 @@ _AC_SAVE_OPS = [
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 ]
 
+
+# FSDP runs its hooks under record_function; a unit inside a checkpointed block (an MoE block's experts) runs them a
+# different number of times in the recompute than in forward, and selective checkpointing replays ops by count
+# (torch 2.13). Annotations are not computation: selective checkpointing leaves them alone.
+SAC_IGNORED_OPS.update(
+    getattr(getattr(torch.ops.profiler, name), overload)
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+    for overload in getattr(torch.ops.profiler, name).overloads()
+)
 
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._grouped_mm.default)
 
