@@ -19,6 +19,10 @@ Sections:
   mfu        tokens/s, MFU and peak memory of the big shapes (compile off/on), against the dry run's estimate
   profile    where the time of one step of the 1B shape goes (kernels by category)
   attention  block-causal against causal step time on the 1B shape
+  chunked    the 1B shape at seq 8192: the loss in chunks of 1024 tokens against the whole loss, and compiled
+  float8     [float8] tensorwise and rowwise on the 1B shape with compile; 200 debug-model steps against bf16
+  moe        a Qwen3-30B-A3B-shaped model cut to fit, compile off/on; the grouped GEMM against a per-expert loop
+  generate   KV-cache generation against no cache, 512 new tokens on the 1B flavor
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import json
 import os
 import platform
 import re
+import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,8 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # This checkout first, then whatever the machine already had on the path (wheels carried to a GPU machine).
 PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-SECTIONS = ("env", "suite", "e2e", "flex", "compile", "bf16", "mfu", "profile", "attention")
-TIMEOUTS = {"suite": 900, "mfu": 900, "bf16": 300, "profile": 400, "attention": 400}  # seconds; others 300
+SECTIONS = (
+    "env", "suite", "e2e", "flex", "compile", "bf16", "mfu", "profile", "attention", "chunked", "float8", "moe",
+    "generate",
+)  # fmt: skip
+TIMEOUTS = {"suite": 900, "mfu": 900, "bf16": 300, "profile": 400, "attention": 400, "chunked": 900,
+            "float8": 900, "moe": 900}  # seconds; others 300  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -139,11 +149,21 @@ def section_suite(opts) -> dict:
     cmd += opts.suite_args or (["tests/test_config.py", "-k", "bool_flags"] if opts.tiny else ["tests"])
     t0 = time.perf_counter()
     path = Path(opts.out) / "suite.log"
+    limit = opts.deadline_at - time.time() - 20 if opts.deadline_at else None
     with open(path, "w") as f:  # streamed: a run cut short still leaves what it printed
-        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     log = path.read_text()
     summary = log.splitlines()[-1] if log.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+    if not counts:  # cut short at the deadline: count pytest's progress characters
+        progress = "".join(re.findall(r"^([.FEsx]+)\s*(?:\[\s*\d+%\])?$", log, re.M))
+        counts = {"cut_short": 1, "passed": progress.count("."), "failed": progress.count("F"),
+                  "errors": progress.count("E"), "skipped": progress.count("s")}  # fmt: skip
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)
     skipped = re.findall(r"^SKIPPED \[\d+\] (.*)$", log, re.M)
     return dict(
@@ -375,7 +395,7 @@ def _mfu_shapes(opts) -> list[dict]:
                 dict(name="Llama 3.2 1B", flavor="1B", seq=8192, batch=2, ac="op", compile=compiled, baseline=baseline)
             )
     for compiled in (False, True):
-        shapes.append(dict(name="8B-shaped", flavor="8B", layers=0, seq=8192, batch=2, ac="op", compile=compiled))
+        shapes.append(dict(name="8B-shaped", flavor="8B", cut=True, seq=8192, batch=2, ac="op", compile=compiled))
     return [s for s in shapes if not opts.mfu_only or s["flavor"] in opts.mfu_only.split(",")]
 
 
@@ -386,7 +406,11 @@ def _shape_argv(shape, dump, opts) -> list[str]:
     elif shape["ac"] != "none":
         ac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", shape["ac"]]
     steps, log = ("4", "2") if opts.tiny else (str(opts.mfu_steps), "5")
+    extra = [*(["--training.loss_chunk_tokens", str(shape["chunk"])] if "chunk" in shape else [])]
+    extra += ["--float8.enable", "true", "--float8.recipe", shape["float8"]] if shape.get("float8") else []
     return [
+        "--model.name",
+        shape.get("model", "llama3"),
         "--model.flavor",
         shape["flavor"],
         "--job.dump_folder",
@@ -409,29 +433,32 @@ def _shape_argv(shape, dump, opts) -> list[str]:
         "2",
         *ac,
         *(["--compile.enable", "true"] if shape["compile"] else []),
+        *extra,
     ]
 
 
 def _register_cut_flavor(shape, opts) -> None:
-    """An 8B-shaped flavor cut to as many blocks as the dry run says fit this GPU (kept under 85% of it)."""
+    """A flavor of shape["flavor"]'s shape cut to as many blocks as the dry run says fit this GPU (under 85% of it)."""
     import torch
 
     from titanlite.config import load
-    from titanlite.models.llama3 import LLAMA3_FLAVORS
+    from titanlite.models.registry import FAMILIES
     from titanlite.plan import validate_for_world
     from titanlite.sizing import estimate
 
-    full = LLAMA3_FLAVORS["8B"]
+    flavors = FAMILIES[shape.get("model", "llama3")].flavors
+    full = flavors[shape["flavor"]]
+    cut = f"{shape['flavor']}-cut"
     budget = torch.cuda.get_device_properties(0).total_memory * 0.85
     best = 1
     for layers in range(1, full.n_layers + 1):
-        LLAMA3_FLAVORS["8B-cut"] = dataclasses.replace(full, n_layers=layers)
-        cfg = load(_shape_argv({**shape, "flavor": "8B-cut"}, "/tmp/unused", opts))
+        flavors[cut] = dataclasses.replace(full, n_layers=layers)
+        cfg = load(_shape_argv({**shape, "flavor": cut}, "/tmp/unused", opts))
         if estimate(cfg, validate_for_world(cfg, 1, device_type=None), 1).gpu_total > budget:
             break
         best = layers
-    LLAMA3_FLAVORS["8B-cut"] = dataclasses.replace(full, n_layers=best)
-    shape.update(flavor="8B-cut", layers=best, name=f"8B-shaped, {best} of 32 blocks")
+    flavors[cut] = dataclasses.replace(full, n_layers=best)
+    shape.update(flavor=cut, layers=best, name=f"{shape['name']}, {best} of {full.n_layers} blocks")
 
 
 def _use_baseline() -> None:
@@ -456,7 +483,7 @@ def _one_shape(opts, shape) -> dict:
     from titanlite.plan import validate_for_world
     from titanlite.sizing import GIB, estimate
 
-    if shape["flavor"] == "8B" and not opts.tiny:
+    if shape.get("cut") and not opts.tiny:
         _register_cut_flavor(shape, opts)
     if shape.get("baseline"):
         _use_baseline()
@@ -488,6 +515,7 @@ def _one_shape(opts, shape) -> dict:
         },
         wall_seconds=round(wall, 1),
         windows=[(m.step, round(m.tokens_per_sec), None if m.mfu is None else round(m.mfu, 2)) for m in logged],
+        losses=[(m.step, round(m.loss, 4)) for m in logged],
     )
     if peak_alloc:
         out["estimate_over_measured"] = round(est.gpu_total / GIB / peak_alloc, 3)
@@ -497,17 +525,160 @@ def _one_shape(opts, shape) -> dict:
     return out
 
 
+def _shape_set(name: str, opts) -> list[dict]:
+    """The training shapes a throughput section runs, each in its own process."""
+    if name == "mfu":
+        return _mfu_shapes(opts)
+    tiny = dict(name="debugmodel", flavor="debugmodel", seq=64, batch=2, ac="op", compile=False)
+    one_b = dict(name="Llama 3.2 1B", flavor="1B", seq=8192, batch=2, ac="op")
+    if name == "chunked":  # with compile on the loss is compiled whole (model_builder.compiled_loss): one row
+        if opts.tiny:
+            return [{**tiny, "chunk": 16}, {**tiny, "chunk": 0}]
+        return [{**one_b, "compile": False, "chunk": 1024}, {**one_b, "compile": False, "chunk": 0},
+                {**one_b, "compile": True, "chunk": 1024}]  # fmt: skip
+    if name == "float8":  # the bf16 baseline is the chunked section's compiled row (the same run)
+        if opts.tiny:
+            return [tiny]  # a CPU refuses [float8]: the row checks the plumbing only
+        return [{**one_b, "compile": True, "float8": recipe} for recipe in ("tensorwise", "rowwise")]
+    if name == "moe":
+        if opts.tiny:
+            return [{**tiny, "model": "qwen3_moe"}]
+        moe = dict(
+            name="Qwen3-30B-A3B-shaped", model="qwen3_moe", flavor="30B-A3B", cut=True, seq=8192, batch=1, ac="op"
+        )
+        return [{**moe, "compile": False}, {**moe, "compile": True}]
+    raise ValueError(name)
+
+
+def _shape_rows(name: str, opts) -> list[dict]:
+    rows = []
+    for i, shape in enumerate(_shape_set(name, opts)):
+        r = _child("shape_one", opts, extra=["--shape-set", name, "--shape-index", str(i)], timeout=420)
+        rows.append(r if "error" not in r else {"shape": shape, **r})
+    return rows
+
+
 def section_mfu(opts) -> dict:
     """Throughput, MFU and peak memory of each shape, each in a fresh process (compile caches, memory)."""
-    rows = []
-    for i, shape in enumerate(_mfu_shapes(opts)):
-        r = _child("mfu_one", opts, extra=["--shape-index", str(i)], timeout=420)
-        rows.append(r if "error" not in r else {"shape": shape, **r})
-    return dict(rows=rows)
+    return dict(rows=_shape_rows("mfu", opts))
 
 
-def section_mfu_one(opts) -> dict:
-    return _one_shape(opts, _mfu_shapes(opts)[opts.shape_index])
+def section_shape_one(opts) -> dict:
+    return _one_shape(opts, _shape_set(opts.shape_set, opts)[opts.shape_index])
+
+
+def section_chunked(opts) -> dict:
+    """The 1B flavor at seq 8192: the loss in chunks of 1024 tokens against the whole-microbatch loss (compile off),
+    and the compiled loss (compile on); tokens/s, peak memory and the dry run's estimate of each."""
+    return dict(rows=_shape_rows("chunked", opts))
+
+
+def _curve_stats(ref: dict, other: dict) -> dict:
+    last = sorted(ref)[-20:]
+    mean_r, mean_o = statistics.mean(ref[k] for k in last), statistics.mean(other[k] for k in last)
+    rel = {k: abs(other[k] - ref[k]) / ref[k] for k in ref}
+    return dict(
+        ref_last20_mean=mean_r,
+        last20_mean=mean_o,
+        last20_rel_diff=abs(mean_o - mean_r) / mean_r,
+        median_step_rel_diff=statistics.median(rel.values()),
+        max_step_rel_diff=max(rel.values()),
+        curve_every_20={k: (round(ref[k], 4), round(other[k], 4)) for k in sorted(ref) if k % 20 == 0 or k == 1},
+    )
+
+
+def section_float8_curve(opts) -> dict:
+    """200 bf16 steps of the debug model against float8 (tensorwise, rowwise): the same seed and data."""
+    dump = Path(tempfile.mkdtemp(dir=opts.out, prefix="float8-"))
+    steps = "6" if opts.tiny else "200"
+    base = ["--training.steps", steps, "--training.mixed_precision_param", "bfloat16"]
+    bf16 = _trainer(_debug_argv(dump / "bf16", opts, *base), opts).train()
+    out = {"steps": len(bf16)}
+    for recipe in () if opts.tiny else ("tensorwise", "rowwise"):
+        argv = _debug_argv(dump / recipe, opts, *base, "--float8.enable", "true", "--float8.recipe", recipe)
+        out[recipe] = _curve_stats(bf16, _trainer(argv, opts).train())
+    return out
+
+
+def section_float8(opts) -> dict:
+    """Float8 (torchao) on the 1B flavor with compile: tokens/s and peak against bf16 (the chunked section's compiled
+    row), and 200 steps of the debug model's loss against bf16."""
+    return dict(rows=_shape_rows("float8", opts), curve=_child("float8_curve", opts, timeout=300))
+
+
+def section_moe_gemm(opts) -> dict:
+    """One MoE layer's experts (Qwen3-30B-A3B's: 128, top-8, dim 2048, hidden 768), forward and backward: the grouped
+    GEMM against a per-expert loop over the same tokens, bf16, timed with CUDA events (median of interleaved reps)."""
+    import torch
+    import torch.nn.functional as F
+
+    from titanlite.models.moe import GroupedExperts
+
+    device = _device(opts)
+    n, top_k, dim, hidden, tokens = (8, 2, 64, 32, 256) if opts.tiny else (128, 8, 2048, 768, 8192)
+    dtype = torch.float32 if opts.tiny else torch.bfloat16
+    torch.manual_seed(0)
+    experts = GroupedExperts(n, dim, hidden).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.02)
+    counts = torch.bincount(torch.randint(0, n, (tokens * top_k,)), minlength=n).to(device)
+    x = torch.randn(tokens * top_k, dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def loop(e, t, c):
+        outs, start = [], 0
+        for i, m in enumerate(c.tolist()):
+            s = t[start : start + m]
+            outs.append((F.silu(s @ e.w1[i]) * (s @ e.w3[i])) @ e.w2[i])
+            start += m
+        return torch.cat(outs)
+
+    fns = {"grouped": lambda e, t, c: e(t, c), "loop": loop}
+    with torch.no_grad():
+        diff = _rel(fns["grouped"](experts, x, counts).float(), loop(experts, x, counts).float())
+
+    def timed(fn) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn(experts, x, counts).backward(grad)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    for fn in fns.values():
+        timed(fn)
+    times = {k: [] for k in fns}
+    for rep in range(2 if opts.tiny else 10):
+        for k in fns if rep % 2 == 0 else reversed(list(fns)):
+            times[k].append(timed(fns[k]))
+    return dict(
+        experts=n, top_k=top_k, dim=dim, hidden=hidden, tokens=tokens, dtype=str(dtype),
+        grouped_ms=round(statistics.median(times["grouped"]) * 1e3, 3),
+        loop_ms=round(statistics.median(times["loop"]) * 1e3, 3),
+        loop_over_grouped=round(statistics.median(a / b for a, b in zip(times["loop"], times["grouped"])), 2),
+        outputs_rel_diff=diff,
+    )  # fmt: skip
+
+
+def section_moe(opts) -> dict:
+    """A Qwen3-30B-A3B-shaped model cut to the blocks that fit, bf16, compile off/on (MFU over active parameters),
+    and the grouped GEMM against the per-expert loop."""
+    return dict(rows=_shape_rows("moe", opts), gemm=_child("moe_gemm", opts, timeout=200))
+
+
+def section_generate(opts) -> dict:
+    """benchmarks/kv_cache.py: KV-cache generation against the no-cache loop, 512 new tokens on the 1B flavor."""
+    args = ["--flavor", "tiny", "--new-tokens", "16", "--reps", "1", "--device", "cpu"]
+    if not opts.tiny:
+        args = ["--flavor", "1B", "--prompt-len", "32", "--new-tokens", "512", "--reps", "3", "--device", "cuda"]
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    script = str(ROOT / "benchmarks" / "kv_cache.py")
+    p = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    text = p.stdout + (p.stderr[-3000:] if p.returncode else "")
+    m = re.search(r"no KV cache / KV cache total time: ([\d.]+)", text)
+    return dict(
+        command="benchmarks/kv_cache.py " + " ".join(args), speedup=float(m.group(1)) if m else None, output=text
+    )
 
 
 _CATEGORIES = (  # kernel-name patterns, first match wins
@@ -612,21 +783,30 @@ def section_attention(opts) -> dict:
 
 
 def _child(section: str, opts, extra=(), timeout=None) -> dict:
-    """Run one section in a fresh process; its JSON result, or {'error': ...}."""
+    """Run one section in a fresh process (its own process group: a timeout ends its children too), within the
+    run's --deadline; its JSON result, or {'error': ...}."""
     result = Path(opts.out) / f"{section}{'-' + '-'.join(extra).replace('--', '') if extra else ''}.json"
+    if opts.deadline_at:
+        left = opts.deadline_at - time.time() - 5
+        if left < 15:
+            return {"error": "skipped: --deadline reached"}
+        timeout = left if timeout is None else min(timeout, left)
     cmd = [sys.executable, __file__, "--section", section, "--out", opts.out, "--result", str(result), *extra]
     cmd += ["--tiny"] if opts.tiny else []
-    cmd += ["--workers", str(opts.workers), "--mfu-steps", str(opts.mfu_steps)]
+    cmd += ["--workers", str(opts.workers), "--mfu-steps", str(opts.mfu_steps), "--deadline-at", str(opts.deadline_at)]
     cmd += ["--mfu-only", opts.mfu_only] if opts.mfu_only else []
-    cmd += [f"--suite-args={' '.join(opts.suite_args)}"] if opts.suite_args else []
+    cmd += [f"--suite-args={shlex.join(opts.suite_args)}"] if opts.suite_args else []
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     log = Path(opts.out) / f"{result.stem}.log"
-    try:
-        with open(log, "w") as f:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s", "log_tail": log.read_text()[-2000:]}
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return {"error": f"timed out after {round(timeout)} s", "log_tail": log.read_text()[-2000:]}
     if p.returncode != 0 or not result.exists():
         return {"error": f"exit status {p.returncode}", "log_tail": log.read_text()[-3000:]}
     r = json.loads(result.read_text())
@@ -652,10 +832,14 @@ def _markdown(results: dict) -> str:
         lines.append(
             f"{short}: {c.get('passed', 0)} passed, {c.get('skipped', 0)} skipped, {c.get('failed', 0)} failed"
         )
-    for r in results.get("mfu", {}).get("rows", []):
-        if "mfu" in r:
+    for section in ("mfu", "chunked", "float8", "moe"):
+        for r in results.get(section, {}).get("rows", []):
+            if "mfu" not in r:
+                continue
             s = r["shape"]
             when = f"compile {'on' if s['compile'] else 'off'}{' (before)' if s.get('baseline') else ''}"
+            when += f", loss_chunk_tokens {s['chunk']}" if "chunk" in s else ""
+            when += f", float8 {s['float8']}" if s.get("float8") else ""
             lines.append(
                 f"{env.get('device')}, {s['name']}, seq {s['seq']}, batch {s['batch']}, AC {s['ac']}, {when}: "
                 f"{r['tokens_per_sec']:,} tokens/s, MFU {r['mfu']}%, peak {r['measured_peak_allocated_gib']} GiB "
@@ -670,16 +854,27 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {', '.join(SECTIONS)}")
     p.add_argument("--tiny", action="store_true", help="CPU, toy sizes: checks that the script itself works")
     p.add_argument("--workers", type=int, default=6, help="pytest-xdist workers for the suite (if installed)")
-    p.add_argument("--suite-args", type=lambda s: s.split(), default=None, help="pytest arguments instead of 'tests'")
+    p.add_argument("--suite-args", type=shlex.split, default=None, help="pytest arguments instead of 'tests'")
     p.add_argument("--suite-timeout", type=int, default=TIMEOUTS["suite"], help="seconds the suite may take")
     p.add_argument("--mfu-steps", type=int, default=15, help="steps per throughput shape (logged every 5)")
     p.add_argument("--mfu-only", default="", help="comma-separated flavors of the throughput shapes to run")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=0,
+        help="seconds the whole run may take (0: no limit); a section "
+        "is given what is left, and skipped when nothing is",
+    )
+    p.add_argument("--deadline-at", type=float, default=0, help=argparse.SUPPRESS)
     p.add_argument("--section", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--shape-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--shape-set", default="mfu", help=argparse.SUPPRESS)
     p.add_argument("--profile-compiled", action="store_true", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     opts.out = str(Path(opts.out).resolve())
+    if opts.deadline and not opts.deadline_at:
+        opts.deadline_at = time.time() + opts.deadline
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     if opts.section:  # a child: one section, its result as JSON
         from titanlite.metrics import setup_logging

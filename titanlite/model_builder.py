@@ -16,6 +16,7 @@ from titanlite.parallel.ac import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.dims import split_mesh
 from titanlite.parallel.ep import apply_ep
+from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.tp import apply_tp
 
@@ -26,6 +27,7 @@ class BuiltModel:
     ac_blocks: list[int]  # indices of the activation-checkpointed blocks
     compiled: int  # blocks compiled
     num_sharded: int  # fully_shard units besides the root
+    float8: int = 0  # linears converted to float8 training ([float8])
 
 
 def compiled_loss(cfg: JobConfig, tp: int = 1) -> bool:
@@ -48,7 +50,8 @@ def build_model(
 ) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
 
-    Training applies tensor parallelism (a "tp" mesh dimension), [lora] adapters (models/lora.py: the base frozen),
+    Training applies tensor parallelism (a "tp" mesh dimension), [float8] linears (parallel/float8.py), [lora]
+    adapters (models/lora.py: the base frozen),
     expert parallelism (an MoE model's experts over `expert_mesh`'s "ep" ranks: ParallelDims.build_expert_mesh),
     [activation_checkpoint], [compile] and FSDP with the configured reshard policy on the data-parallel sub-mesh (the
     experts on the expert mesh); inference applies tensor parallelism without sequence or loss parallelism, the
@@ -67,6 +70,9 @@ def build_model(
             loss_parallel=p.enable_loss_parallel and not inference,
             inference=inference,
         )
+    float8 = 0
+    if cfg.float8.enable and not inference:  # before AC, compile and FSDP, which then wrap the float8 linears
+        float8 = apply_float8(model, cfg.float8)
     if cfg.lora.enable:  # adapters follow the tensor-parallel split of their projections; the rest is frozen
         apply_lora(model, cfg.lora, base_dtype=None if inference else TORCH_DTYPES[cfg.lora.base_dtype])
     if args.moe:
@@ -90,4 +96,4 @@ def build_model(
             cpu_offload=cfg.training.enable_cpu_offload and not inference,
             expert_mesh=expert_mesh,
         )
-    return BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=num_sharded)
+    return BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=num_sharded, float8=float8)

@@ -29,6 +29,7 @@ from titanlite.models.lora import apply_lora, resolve_targets
 from titanlite.models.registry import FAMILIES, model_args, model_class
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.float8 import float8_problem
 from titanlite.run_control import check_lock_free
 from titanlite.wandb_tracker import wandb_problem
 
@@ -290,7 +291,11 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
             f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} checkpoints no "
             f"block of the {args.n_layers}; valid: 'op' or an integer from 1 to {args.n_layers}"
         )
-    problem = (compile_problem(cfg.compile, device_type) if device_type else None) or wandb_problem(cfg.metrics)
+    problem = (
+        float8_problem(cfg.float8, tp=dims.tp, lora=cfg.lora.enable, device_type=device_type)
+        or (compile_problem(cfg.compile, device_type) if device_type else None)
+        or wandb_problem(cfg.metrics)
+    )
     if problem:
         raise ConfigError(problem)
     check_data(cfg, tokenizer)

@@ -156,7 +156,10 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     try:
         mesh = plan.dims.build_mesh("cpu")  # the same plan as on GPUs; the fake group does no communication
         expert_mesh = plan.dims.build_expert_mesh("cpu") if plan.model_args.moe else None
-        built = build_model(cfg, plan.model_args, mesh, expert_mesh=expert_mesh)
+        # [float8] changes no parameter or state (the weights stay bf16/fp32): sized without torchao, which the
+        # machine running the dry run may lack; its activations are counted as bf16's (docs/performance.md).
+        plain = replace(cfg, float8=replace(cfg.float8, enable=False))
+        built = build_model(plain, plan.model_args, mesh, expert_mesh=expert_mesh)
         # As the Trainer does next (allocates nothing: Adam's state appears at the first step).
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
         state = me.sharded_state_bytes(built.model)

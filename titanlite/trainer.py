@@ -33,6 +33,7 @@ from titanlite.models.rope_attention import describe_attention
 from titanlite.moe_balance import LoadBalance
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallel.ac import describe_ac_compile
+from titanlite.parallel.float8 import float8_after_step
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
 from titanlite.plan import locked_folders, validate_for_world
 from titanlite.profiling import Profiler
@@ -112,6 +113,8 @@ class Trainer:
             self.model, self.model_args, self.dims, cfg
         ):
             logger.info(line)
+        if built.float8:
+            logger.info(f"Float8: {built.float8} linear layers, {cfg.float8.recipe} scaling (torchao)")
         logger.info(
             describe_ac_compile(cfg.activation_checkpoint, built.ac_blocks, built.compiled, self.model_args.n_layers)
         )
@@ -128,6 +131,7 @@ class Trainer:
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.enable_loss_parallel
         self.balance = LoadBalance(self.model, cfg.moe, self.model_args, self.dims, self.global_batch_size)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.after_optimizer_step = float8_after_step(self.model, cfg.float8)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
         self.tokens_seen = 0
@@ -185,6 +189,8 @@ class Trainer:
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
         moe = self.balance.step_done()  # aux_free moves its routing bias before the optimizer step
         self.optimizer.step()
+        if self.after_optimizer_step is not None:
+            self.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         return StepOutput(loss_sum=loss_sum, global_tokens=global_tokens, grad_norm=grad_norm, moe=moe)

@@ -6,6 +6,7 @@ loaded from TOML and `--section.key value` overrides
 """
 
 from titanlite.config.fields import DTYPE_NAMES
+from titanlite.config.float8 import FLOAT8_RECIPES, Float8
 from titanlite.config.loader import CONFIG_DIR, gradient_sync_mode, load, resolve_config_file, to_toml, validate
 from titanlite.config.lora import LORA_TARGETS, Lora
 from titanlite.config.parallelism import GRADIENT_SYNC, Parallelism
@@ -40,6 +41,8 @@ __all__ = [
     "Checkpoint",
     "Compile",
     "Data",
+    "FLOAT8_RECIPES",
+    "Float8",
     "ConfigError",
     "Job",
     "JobConfig",

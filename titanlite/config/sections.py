@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from titanlite.config.fields import DTYPE, POSITIVE, fraction, non_negative, one_of, positive, setting
+from titanlite.config.float8 import Float8
 from titanlite.config.lora import Lora
 from titanlite.config.parallelism import Parallelism
 from titanlite.models.registry import FAMILIES
@@ -393,6 +394,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: MoE = field(default_factory=MoE)
     lora: Lora = field(default_factory=Lora)
+    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -233,6 +233,17 @@ class Transformer(nn.Module):
         block's (parallel/fsdp.py); none for a dense model."""
         return [m.experts for m in moe_layers(self)]
 
+    def float8_linears(self) -> set[str]:
+        """Qualified names of the projections float8 training may convert: each plain nn.Linear inside a block whose
+        sizes are multiples of 16 (the float8 matmul's need); never an MoE router (kept fp32), the embedding or
+        the output projection."""
+        routers = {id(m.router) for m in moe_layers(self)}
+        return {
+            name
+            for name, m in self.layers.named_modules(prefix="layers")
+            if type(m) is nn.Linear and id(m) not in routers and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        }
+
     def shard_groups(self) -> list[list[nn.Module]]:
         """Modules to shard together, one list per fully_shard call (the root excluded)."""
         units = [[m] for name, m in self.named_modules() if any(p(name, m) for p in self.shard_unit_predicates)]

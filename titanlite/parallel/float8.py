@@ -1,0 +1,81 @@
+"""Float8 training ([float8], torchao): the blocks' dense linears become torchao's Float8Linear before FSDP wraps them.
+
+Weights keep their names and their dtype (float8 exists only inside each matmul), so checkpoints, exports and
+resumes are those of a bf16 run. With tensorwise scaling FSDP may all-gather the weights in float8; their scales are
+then computed once per optimizer step for all of them (`float8_after_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
+
+
+def float8_problem(float8_cfg, *, tp: int, lora: bool, device_type: str | None) -> str | None:
+    """Why [float8] cannot train this run, or None (also when it is off). device_type None: the dry run, which
+    skips the checks of this machine."""
+    if not float8_cfg.enable:
+        return None
+    if lora:
+        return (
+            "float8.enable = true with lora.enable = true is not supported (the adapters sit on the projections "
+            "float8 would convert); set one of them to false"
+        )
+    if tp > 1:
+        return (
+            f"float8.enable = true with parallelism.tensor_parallel_degree = {tp} is not supported yet (float8 "
+            "needs its own tensor-parallel plan); use tensor_parallel_degree = 1 (FSDP/HSDP) or float8.enable = false"
+        )
+    if device_type is None:
+        return None
+    if device_type != "cuda":
+        return (
+            f"float8.enable = true needs a CUDA GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+            f"or newer (H100, H200, L4, RTX 4090); this run computes on {device_type!r}: set float8.enable = false"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        return (
+            "float8.enable = true needs torchao, which is not installed: pip install torchao (or "
+            "pip install -e '.[float8]'), or set float8.enable = false"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < MIN_CAPABILITY:
+        return (
+            f"float8.enable = true needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer; "
+            f"{torch.cuda.get_device_name()} has {major}.{minor}: set float8.enable = false"
+        )
+    return None
+
+
+def _float8_module():
+    return importlib.import_module("torchao.float8")  # optional: imported only by a run that asks for float8
+
+
+def apply_float8(model: nn.Module, float8_cfg, *, emulate: bool = False) -> int:
+    """Convert the linears `model.float8_linears()` names to torchao's Float8Linear with the configured recipe;
+    returns how many. emulate: float8 arithmetic emulated in higher precision (torchao's switch, for CPU checks)."""
+    ao = _float8_module()
+    if float8_cfg.recipe == "tensorwise":
+        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=float8_cfg.fsdp_float8_all_gather, emulate=emulate)
+    else:
+        config = ao.Float8LinearConfig.from_recipe_name(float8_cfg.recipe)
+        config = dataclasses.replace(config, emulate=emulate)
+    names = model.float8_linears()
+    ao.convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in names)
+    return len(names)
+
+
+def float8_after_step(model: nn.Module, float8_cfg) -> Callable[[], None] | None:
+    """What to run after each optimizer step: with float8 all-gathers, compute every float8 weight's scale in one
+    pass (torchao's precompute for FSDP); None when nothing is needed."""
+    if not (float8_cfg.enable and float8_cfg.recipe == "tensorwise" and float8_cfg.fsdp_float8_all_gather):
+        return None
+    precompute = _float8_module().precompute_float8_dynamic_scale_for_fsdp
+    return lambda: precompute(model)
