@@ -34,6 +34,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -214,11 +215,6 @@ def section_e2e(opts) -> dict:
     t0 = time.perf_counter()
     ref = straight.train()
     seconds = time.perf_counter() - t0
-    first = _trainer(_debug_argv(base / "resumed", opts, *observers, "--training.steps", str(half)), opts).train()
-    resumed_trainer = _trainer(_debug_argv(base / "resumed", opts, *observers), opts)
-    resumed_from = resumed_trainer.step
-    second = resumed_trainer.train()
-    after = {k: v for k, v in ref.items() if k > half}
     files = {
         "tensorboard": sorted(str(p.relative_to(base)) for p in (base / "straight").rglob("events.out.tfevents*")),
         "memory_snapshot": sorted(str(p.relative_to(base)) for p in (base / "straight").rglob("*.pickle")),
@@ -226,21 +222,41 @@ def section_e2e(opts) -> dict:
         "checkpoints": sorted(p.name for p in (base / "straight" / "checkpoint").glob("step-*")),
     }
     mem = lines[-1].memory if lines else {}
-    return dict(
+    out = dict(
         device=str(device),
         steps=len(ref),
         seconds=round(seconds, 1),
         first_loss=ref[min(ref)],
         last_loss=ref[max(ref)],
         validation=straight.val_losses,
-        resumed_from=resumed_from,
-        same_first_half=_max_abs({k: ref[k] for k in first}, first),
-        resume_max_abs_diff=_max_abs(after, second),
-        resume_exact=after == second,
         step_line_memory_gib=mem,
         files=files,
-        deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
     )
+    # The same run again, and a resume from the straight run's own step-`half` checkpoint (the same schedule):
+    # with deterministic kernels and without (each after the straight run of its own setting).
+    for deterministic in ("true", "false"):
+        plain = ["--training.deterministic", deterministic, "--training.mixed_precision_param", "bfloat16",
+                 "--checkpoint.enable", "true", "--checkpoint.interval", str(half)]  # fmt: skip
+        tag = f"deterministic_{deterministic}"
+        torch.use_deterministic_algorithms(deterministic == "true")  # the Trainer only ever turns it on
+        first = ref if deterministic == "true" else _trainer(_debug_argv(base / f"{tag}-a", opts, *plain), opts).train()
+        source = base / ("straight" if deterministic == "true" else f"{tag}-a")
+        again = _trainer(_debug_argv(base / f"{tag}-b", opts, *plain), opts).train()
+        shutil.copytree(source / "checkpoint" / f"step-{half}", base / f"{tag}-r" / "checkpoint" / f"step-{half}")
+        resumed_trainer = _trainer(_debug_argv(base / f"{tag}-r", opts, *plain), opts)
+        resumed_from = resumed_trainer.step
+        resumed = resumed_trainer.train()
+        after = {k: v for k, v in first.items() if k > half}
+        out[tag] = dict(
+            deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+            repeat_exact=again == first,
+            repeat_max_abs_diff=_max_abs(first, again),
+            resumed_from=resumed_from,
+            resume_exact=after == resumed,
+            resume_max_abs_diff=_max_abs(after, resumed),
+        )
+    out["resume_exact"] = out["deterministic_true"]["resume_exact"]
+    return out
 
 
 def _flex_case(device, dtype, compiled: bool, tiny: bool):

@@ -84,6 +84,11 @@ MOE = dict(n_experts=8, top_k=2, moe_hidden_dim=64, router_init_std=0.5)  # the 
 
 
 def _assert_estimate_close(runs):
+    if compute_device().type != "cpu":
+        # The formula counts what the CPU kernels keep at these toy sizes; CUDA's attention kernels keep other
+        # tensors and its allocator rounds small blocks up. GPU peaks are checked at real sizes instead
+        # (benchmarks/gpu_check.py; tests/test_dry_run.py holds the measured ones).
+        pytest.skip("the activation formula is checked against CPU kernels at toy sizes")
     for name, r in runs.items():
         assert 0.9 < r["estimated"] / r["measured"] < 1.15, (name, r["estimated"], r["measured"])
 
