@@ -536,6 +536,8 @@ def _one_shape(opts, shape) -> dict:
     if peak_alloc:
         out["estimate_over_measured"] = round(est.gpu_total / GIB / peak_alloc, 3)
     del t
+    if torch.distributed.is_initialized():  # the next shape's estimate makes its own (fake) process group
+        torch.distributed.destroy_process_group()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
@@ -566,7 +568,14 @@ def _shape_set(name: str, opts) -> list[dict]:
     raise ValueError(name)
 
 
+def _part(section: str, opts, timeout=None) -> dict:
+    """A part of a section: in its own process on a GPU (memory, compile caches); inline at --tiny (start-up time)."""
+    return globals()[f"section_{section}"](opts) if opts.tiny else _child(section, opts, timeout=timeout)
+
+
 def _shape_rows(name: str, opts) -> list[dict]:
+    if opts.tiny:
+        return [_one_shape(opts, shape) for shape in _shape_set(name, opts)]
     rows = []
     for i, shape in enumerate(_shape_set(name, opts)):
         r = _child("shape_one", opts, extra=["--shape-set", name, "--shape-index", str(i)], timeout=420)
@@ -619,7 +628,7 @@ def section_float8_curve(opts) -> dict:
 def section_float8(opts) -> dict:
     """Float8 (torchao) on the 1B flavor with compile: tokens/s and peak against bf16 (the chunked section's compiled
     row), and 200 steps of the debug model's loss against bf16."""
-    return dict(rows=_shape_rows("float8", opts), curve=_child("float8_curve", opts, timeout=300))
+    return dict(rows=_shape_rows("float8", opts), curve=_part("float8_curve", opts, timeout=300))
 
 
 def section_moe_gemm(opts) -> dict:
@@ -679,7 +688,7 @@ def section_moe_gemm(opts) -> dict:
 def section_moe(opts) -> dict:
     """A Qwen3-30B-A3B-shaped model cut to the blocks that fit, bf16, compile off/on (MFU over active parameters),
     and the grouped GEMM against the per-expert loop."""
-    return dict(rows=_shape_rows("moe", opts), gemm=_child("moe_gemm", opts, timeout=200))
+    return dict(rows=_shape_rows("moe", opts), gemm=_part("moe_gemm", opts, timeout=200))
 
 
 def section_generate(opts) -> dict:

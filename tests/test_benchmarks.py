@@ -95,6 +95,12 @@ def test_gpu_check_runs_every_section_at_a_tiny_size(tmp_path):
     assert all(r["block_masks_per_forward"] == 1 and r["within_tolerance"] for r in report["flex"]["rows"])
     assert report["mfu"]["rows"][0]["tokens_per_sec"] > 0 and report["suite"]["counts"]["passed"] == 1
     assert "CPU: 1 passed, 0 skipped, 0 failed" in (tmp_path / "report.md").read_text()
+    assert [r["shape"]["chunk"] for r in report["chunked"]["rows"]] == [16, 0]
+    assert all(r["tokens_per_sec"] > 0 for section in ("chunked", "float8", "moe") for r in report[section]["rows"])
+    assert report["float8"]["curve"]["steps"] == 6 and report["moe"]["gemm"]["outputs_rel_diff"] < 1e-5
+    assert report["generate"]["speedup"] > 0
+    e2e = report["e2e"]
+    assert all(e2e[f"deterministic_{d}"]["repeat_exact"] for d in ("true", "false")), e2e
 
 
 def test_moe_benchmark_prints_its_tables():
