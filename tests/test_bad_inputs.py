@@ -205,6 +205,9 @@ CHECKPOINTS = [
 ]
 
 
+FT = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2")
+
+
 def lora(*extra, base="{tmp}/run/checkpoint/step-4"):
     """The tiny run with LoRA on the saved run's step 4 as its base."""
     return train("--lora.enable", "true", "--checkpoint.initial_load_path", base, *extra)
@@ -264,6 +267,17 @@ LORA = [
          resume("--training.steps", "8", "--lora.enable", "true", "--checkpoint.initial_load_path",
                 "{tmp}/run/checkpoint/step-2"),
          ("{tmp}/run/checkpoint/step-4", "full-weight checkpoint", "lora.enable"), setup=_copy_run),
+    Case("ft-lighthouse-unreachable", "config", "train",
+         train(*FT, "--fault_tolerance.lighthouse", "http://127.0.0.1:9"),
+         ("fault_tolerance.lighthouse = 'http://127.0.0.1:9'", "no lighthouse answers", "torchft_lighthouse")),
+    Case("ft-no-lighthouse", "config", "train", train(*FT), ("TORCHFT_LIGHTHOUSE is not set", "torchft_lighthouse")),
+    Case("ft-replica-id-beyond-the-groups", "config", "train", train(*FT, "--fault_tolerance.replica_id", "2"),
+         ("fault_tolerance.replica_id = 2", "group_count = 2", "0 to 1")),
+    Case("ft-min-replicas-beyond-the-groups", "config", "train", train(*FT, "--fault_tolerance.min_replicas", "3"),
+         ("fault_tolerance.min_replicas = 3", "1 to 2")),
+    Case("ft-with-a-replicate-degree", "config", "dry_run",
+         ("--world-size", "2", *FT, "--parallelism.data_parallel_replicate_degree", "2"),
+         ("parallelism.data_parallel_replicate_degree = 2", "across groups")),
     Case("float8-on-cpu", "config", "train", train("--float8.enable", "true"),
          ("float8.enable = true", "compute capability 8.9", "'cpu'")),
     Case("float8-with-tp", "config", "dry_run",

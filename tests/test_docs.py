@@ -39,6 +39,8 @@ SKIP = {
     "--checkpoint.initial_load_path /models/": "needs a downloaded HF model folder under /models/",
     "--checkpoint.initial_load_path model.pt": "model.pt is what the export command before it writes",
     "--checkpoint.load_step 400": "resumes from a step-400 checkpoint, which only an earlier run leaves",
+    "--fault_tolerance.enable true --fault_tolerance.group_count 2": "needs the lighthouse the line before starts "
+    "(tests/test_fault_tolerance.py runs such groups)",
 }
 
 # run_train.sh's CONFIG_FILE default, as the script sets it

@@ -45,6 +45,7 @@ class StepMetrics:
     elapsed: float = 0.0  # seconds since training started
     eta: float | None = None  # seconds to the last step
     moe: dict[str, float] | None = None  # an MoE's load balance (moe_balance.LoadBalance.report)
+    replicas: str | None = None  # fault tolerance: live / planned replica groups this step ("1/2")
 
     def scalars(self) -> dict[str, float]:
         """The TensorBoard scalars of this step, by tag."""
@@ -109,6 +110,8 @@ def format_step_line(m: StepMetrics) -> str:
         moe = f"  moe: busiest {m.moe['busiest_over_mean']:.2f}x mean (layer {m.moe['busiest_layer']})"
         if "aux_loss" in m.moe:
             moe += f"  aux: {m.moe['aux_loss']:.4f}"
+    if m.replicas:
+        moe += f"  replicas: {m.replicas}"
     return (
         f"step: {m.step:5d}  loss: {m.loss:8.4f}  grad_norm: {m.grad_norm:7.4f}  lr: {m.lr:.3e}  "
         f"tps: {m.tokens_per_sec:,.0f}  tflops: {m.tflops:.3g}  mfu: {mfu}  {mem}{moe}  "

@@ -23,6 +23,7 @@ from titanlite.data.build import check_data
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
+from titanlite.fault_tolerance import fault_tolerance_problem
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
 from titanlite.models.lora import apply_lora, resolve_targets
@@ -54,7 +55,9 @@ def batch_plan(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
 def resolve(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, int, int]:
     """Checks that need the world size: (dims, global batch size, microbatches per step); cfg is not changed."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    global_batch, grad_accum = batch_plan(cfg, dims.dp_degree)
+    # a fault-tolerant group reads its part of each global batch: the dp ranks of all groups split it
+    groups = cfg.fault_tolerance.group_count if cfg.fault_tolerance.enable else 1
+    global_batch, grad_accum = batch_plan(cfg, dims.dp_degree * groups)
     raf = cfg.parallelism.fsdp_reshard_after_forward
     if raf.isdigit() and dims.dp_shard % int(raf):
         raise ConfigError(
@@ -293,6 +296,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
         )
     problem = (
         float8_problem(cfg.float8, tp=dims.tp, lora=cfg.lora.enable, device_type=device_type)
+        or fault_tolerance_problem(cfg, dims, check_lighthouse=device_type is not None)
         or (compile_problem(cfg.compile, device_type) if device_type else None)
         or wandb_problem(cfg.metrics)
     )

@@ -24,6 +24,7 @@ from titanlite.distributed import init_distributed, pick_device, set_seed, world
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import NonFiniteLossError
 from titanlite.exit_status import record_end
+from titanlite.fault_tolerance import ReplicaGroups
 from titanlite.flops import flops_per_token
 from titanlite.hang_watch import HangWatch
 from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss, training_loss
@@ -52,6 +53,7 @@ class StepOutput:
     global_tokens: torch.Tensor | int  # valid tokens in the whole global batch
     grad_norm: torch.Tensor  # global gradient norm before clipping
     moe: dict | None = None  # an MoE model's load balance this step (device tensors; moe_balance.LoadBalance)
+    committed: bool = True  # False: a fault-tolerant step that a group failed; not applied, to be retried
 
 
 class Trainer:
@@ -89,7 +91,14 @@ class Trainer:
             global_batch_size=self.global_batch_size,
             pin_memory=self.device.type == "cuda",
         )
-        self.dataloader = build_loader(cfg, self.tokenizer, "training", **loader_args)
+        ft = cfg.fault_tolerance
+        train_args = dict(loader_args)
+        if ft.enable:  # a fault-tolerant group reads its part of the global batch; each validates on its own
+            train_args.update(
+                dp_rank=ft.replica_id * self.dims.dp_degree + loader_args["dp_rank"],
+                dp_degree=ft.group_count * self.dims.dp_degree,
+            )
+        self.dataloader = build_loader(cfg, self.tokenizer, "training", **train_args)
         self.validator = None
         if cfg.validation.enable:
             self.validator = Validator(cfg, build_loader(cfg, self.tokenizer, "validation", **loader_args))
@@ -158,6 +167,7 @@ class Trainer:
             data_identity=data_identity(self.tokenizer, self.dataloader),
         )
         self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
+        self.replicas = ReplicaGroups(cfg, self, self.env) if ft.enable else None  # the groups of a torchft job
 
     def train_step(self, microbatches: list, global_tokens: int | None = None) -> StepOutput:
         """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule.
@@ -171,12 +181,16 @@ class Trainer:
             count = sum(counted_labels(mb[1].to(self.device, non_blocking=True)) for mb in microbatches)
             dist.all_reduce(count)
             # the cp and tp ranks of a dp rank hold the same labels
-            global_tokens = (count // (self.dims.tp * self.dims.cp)).clamp(min=1)
+            global_tokens = count // (self.dims.tp * self.dims.cp)
+            if self.replicas is not None:  # the live groups' tokens: the parts of the absent ones are not trained
+                global_tokens = self.replicas.global_tokens(global_tokens).round().long()
+            global_tokens = global_tokens.clamp(min=1)
         else:
             global_tokens = max(global_tokens, 1)
         # FSDP averages gradients over the dp ranks (and the cp ranks, each with its part of the tokens); scaling by
         # their number makes the gradient that of (sum of token losses over the global batch) / (valid tokens in it).
-        scale = self.dims.dp_degree * self.dims.cp / global_tokens
+        groups = 1 if self.replicas is None else self.replicas.participants  # averaged over the live groups too
+        scale = self.dims.dp_degree * self.dims.cp * groups / global_tokens
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             self.hang.phase(f"step {self.step}: forward/backward, microbatch {i + 1} of {len(microbatches)}")
@@ -185,20 +199,30 @@ class Trainer:
                 token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
                 (token_loss_sum * scale + self.balance.aux_term()).backward()
             loss_sum += token_loss_sum.detach()
+        if self.replicas is not None:
+            self.hang.phase(f"step {self.step}: averaging the gradients over the live replica groups")
+            self.replicas.average_gradients(self.model.parameters())
         self.hang.phase(f"step {self.step}: gradient norm, clipping and optimizer step")
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
         moe = self.balance.step_done()  # aux_free moves its routing bias before the optimizer step
-        self.optimizer.step()
-        if self.after_optimizer_step is not None:
-            self.after_optimizer_step()
+        committed = self.replicas is None or self.replicas.commit()
+        if committed:
+            self.optimizer.step()
+            if self.after_optimizer_step is not None:
+                self.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        return StepOutput(loss_sum=loss_sum, global_tokens=global_tokens, grad_norm=grad_norm, moe=moe)
+        if committed:
+            self.lr_scheduler.step()
+        out = StepOutput(loss_sum=loss_sum, global_tokens=global_tokens, grad_norm=grad_norm, moe=moe)
+        out.committed = committed
+        return out
 
     def global_loss(self, out: StepOutput) -> float:
         """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
         total = out.loss_sum.clone()
         dist.all_reduce(total)
+        if self.replicas is not None:
+            total = self.replicas.sum(total)
         return (total / self.dims.tp / out.global_tokens).item()  # every tp rank holds its dp rank's loss
 
     def train(self) -> dict[int, float]:
@@ -220,6 +244,10 @@ class Trainer:
         self.hang.start()
         try:
             while self.step < cfg.training.steps:
+                if self.replicas is not None:
+                    self.hang.phase(f"step {self.step + 1}: waiting for a quorum of replica groups")
+                    self.replicas.begin_step()  # a restarted group heals here: step and data position included
+                    data_state = self.dataloader.state_dict()
                 self.step += 1
                 self.hang.phase(f"step {self.step}: waiting for its data")
                 data = self.dataloader.next_step()
@@ -227,7 +255,14 @@ class Trainer:
                     what = f"step {self.step}'s global batch of {self.global_batch_size} sequences"
                     raise no_counted_tokens(self.dataloader, what, cfg.training)
                 lr = self.lr_scheduler.get_last_lr()[0]
-                out = self.train_step(data.microbatches, data.global_valid_tokens)
+                out = self.train_step(data.microbatches, None if self.replicas else data.global_valid_tokens)
+                if not out.committed:  # a group failed during the step: retried with the groups still alive
+                    logger.warning(f"Step {self.step} was not committed by every replica group; retrying it")
+                    self.step -= 1
+                    self.dataloader.load_state_dict(data_state)
+                    continue
+                if self.replicas is not None:
+                    self.replicas.count_skipped(self.global_batch_size)
                 self.tokens_seen += data.global_tokens  # padding is not a token trained on
                 for i, n in enumerate(data.sequences_by_source):
                     self.tokens_by_source[i] += n * cfg.training.seq_len
@@ -241,7 +276,9 @@ class Trainer:
                     loss = self.global_loss(out)
                     self.losses[self.step] = loss
                     moe = self.balance.report(out.moe)
-                    self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr, moe))
+                    m = self.metrics.collect(self.step, loss, out.grad_norm.item(), lr, moe)
+                    m.replicas = None if self.replicas is None else self.replicas.label()
+                    self.metrics.log(m)
                 if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
                     self.hang.phase(f"validation at step {self.step}")
                     self.validate()
@@ -261,6 +298,9 @@ class Trainer:
         finally:
             self.hang.stop()
             self.watchdog.stop()
+            if self.replicas is not None:
+                self._log_replicas()
+                self.replicas.shutdown()
             release_all(self.locks)
             self.checkpointer.close()  # waits for an async save and restores the signal handlers
             self.metrics.close()
@@ -268,6 +308,14 @@ class Trainer:
                 self.dataloader.close()  # the prefetch thread
         self._log_sources()
         return self.losses
+
+    def _log_replicas(self) -> None:
+        r = self.replicas
+        healed = f"; healed from a live group at step {', '.join(map(str, r.healed_at))}" if r.healed_at else ""
+        logger.info(
+            f"Fault tolerance: {r.skipped_sequences} sequences of absent replica groups' parts were skipped "
+            f"(not trained){healed}"
+        )
 
     def _log_sources(self) -> None:
         total = sum(self.tokens_by_source)

@@ -11,6 +11,8 @@ ACTION:WHERE:STEP:RANK with
           mid-run, e.g. a malformed record)
   WHERE   step (end of the step, before its save decision) or save (a save has begun, before this
           rank writes anything)
+
+TITANLITE_STEP_PAUSE=SECONDS makes every step end with a pause of that many seconds: a test's pace.
 """
 
 import logging
@@ -58,7 +60,13 @@ def _install() -> None:
 
     maybe_save, save = CheckpointManager.maybe_save, CheckpointManager.save
 
+    pause = float(os.environ.get("TITANLITE_STEP_PAUSE", "0"))
+
     def patched_maybe_save(self, step, last, before_save=None):
+        if pause:
+            import time
+
+            time.sleep(pause)
         if self.enabled:
             _maybe_fault("step", step)
         return maybe_save(self, step, last, before_save)
@@ -70,5 +78,5 @@ def _install() -> None:
     CheckpointManager.maybe_save, CheckpointManager.save = patched_maybe_save, patched_save
 
 
-if os.environ.get("TITANLITE_FAULTS"):
+if os.environ.get("TITANLITE_FAULTS") or os.environ.get("TITANLITE_STEP_PAUSE"):
     _install()

@@ -5,6 +5,7 @@ loaded from TOML and `--section.key value` overrides
 `python -m titanlite.config [--world-size N] [overrides]` checks a configuration (titanlite.cli.check_config).
 """
 
+from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.fields import DTYPE_NAMES
 from titanlite.config.float8 import FLOAT8_RECIPES, Float8
 from titanlite.config.loader import CONFIG_DIR, gradient_sync_mode, load, resolve_config_file, to_toml, validate
@@ -42,6 +43,7 @@ __all__ = [
     "Compile",
     "Data",
     "FLOAT8_RECIPES",
+    "FaultTolerance",
     "Float8",
     "ConfigError",
     "Job",

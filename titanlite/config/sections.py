@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.fields import DTYPE, POSITIVE, fraction, non_negative, one_of, positive, setting
 from titanlite.config.float8 import Float8
 from titanlite.config.lora import Lora
@@ -395,6 +396,7 @@ class JobConfig:
     moe: MoE = field(default_factory=MoE)
     lora: Lora = field(default_factory=Lora)
     float8: Float8 = field(default_factory=Float8)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

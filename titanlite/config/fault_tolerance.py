@@ -1,0 +1,45 @@
+"""The [fault_tolerance] section: replica groups that fail, heal and rejoin (torchft; docs/fault_tolerance.md). No
+torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlite.config.fields import POSITIVE, non_negative, positive, setting
+
+
+@dataclass
+class FaultTolerance:
+    enable: bool = setting(
+        False,
+        "this job is one replica group of a fault-tolerant job: FSDP (and TP) inside it, the gradient averaged across "
+        "the live groups through torchft's manager; a group that dies is dropped, a restarted one heals from a peer",
+    )
+    replica_id: int = setting(
+        0,
+        "this group's id, 0 .. group_count - 1: which part of each global batch it reads",
+        non_negative,
+        "an integer >= 0",
+    )
+    group_count: int = setting(
+        1,
+        "replica groups the job is planned for: each global batch is split over group_count x the group's "
+        "data-parallel ranks (a group that is down has its part skipped)",
+        positive,
+        POSITIVE,
+    )
+    lighthouse: str = setting(
+        "", "the torchft lighthouse's address (http://host:port); '' = the TORCHFT_LIGHTHOUSE environment variable"
+    )
+    min_replicas: int = setting(
+        1, "live groups a step needs; with fewer, the step waits (up to quorum_timeout_seconds)", positive, POSITIVE
+    )
+    timeout_seconds: float = setting(
+        10.0,
+        "a collective across groups or a commit that takes longer drops the groups that did not answer",
+        positive,
+        POSITIVE,
+    )
+    quorum_timeout_seconds: float = setting(
+        60.0, "how long a step waits for enough live groups (min_replicas) before the run fails", positive, POSITIVE
+    )
