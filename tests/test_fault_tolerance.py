@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,50 @@ def _tensors(tree, prefix="") -> dict:
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in _tensors(sub, f"{prefix}.{key}").items()}
     return {}
+
+
+class _SumWith:
+    """A stand-in for torchft's manager: its 'all-reduce' adds another group's vector."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def allreduce(self, tensor, reduce_op=None):
+        tensor += self.other
+        return types.SimpleNamespace(wait=lambda: None)
+
+    def errored(self):
+        return None
+
+
+def _groups(cfg, other_vector):
+    from titanlite.fault_tolerance import ReplicaGroups, shared_fingerprint
+
+    rg = ReplicaGroups.__new__(ReplicaGroups)
+    rg.cfg, rg.ft, rg.participants = cfg, cfg.fault_tolerance, 2
+    rg.env = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    rg.fingerprint = shared_fingerprint(cfg, 1)
+    rg.manager = _SumWith(other_vector)
+    return rg
+
+
+def _vector(cfg, tokens=100.0):
+    from titanlite.fault_tolerance import shared_fingerprint
+
+    v = torch.zeros(cfg.fault_tolerance.group_count + 2, dtype=torch.float64)
+    v[0], v[1 + cfg.fault_tolerance.replica_id], v[-1] = tokens, 1, shared_fingerprint(cfg, 1)
+    return v
+
+
+def test_each_step_checks_the_groups_ids_and_settings_in_the_token_sum():
+    from titanlite.config import ConfigError, load
+
+    ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2"]
+    me = load(ft + ["--fault_tolerance.replica_id", "0"])
+    peer = load(ft + ["--fault_tolerance.replica_id", "1", "--job.dump_folder", "elsewhere"])  # may differ
+    assert _groups(me, _vector(peer, 50.0)).global_tokens(torch.tensor(100)).item() == 150
+    with pytest.raises(ConfigError, match=r"fault_tolerance.replica_id = 0 is used by 2 live groups"):
+        _groups(me, _vector(me)).global_tokens(torch.tensor(100))
+    other = load(ft + ["--fault_tolerance.replica_id", "1", "--training.seq_len", "1024"])
+    with pytest.raises(ConfigError, match=r"differ in their world size or in a setting"):
+        _groups(me, _vector(other)).global_tokens(torch.tensor(100))

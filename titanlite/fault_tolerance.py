@@ -100,6 +100,7 @@ def shared_fingerprint(cfg, world_size: int) -> int:
     """A 48-bit hash of what every group must share (exact in a float64 sum of a few groups)."""
     d = cfg.to_dict()
     shared = {k: d[k] for k in SHARED_SECTIONS} | {"world": world_size, "groups": cfg.fault_tolerance.group_count}
+    shared["log_freq"] = cfg.metrics.log_freq  # logged steps sum their loss across the groups
     return int(hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:12], 16)
 
 
@@ -187,7 +188,8 @@ class ReplicaGroups:
         if counts[-1] != self.fingerprint * self.participants:
             raise ConfigError(
                 "the live replica groups differ in their world size or in a setting of "
-                f"{', '.join('[' + s + ']' for s in SHARED_SECTIONS)}: every group must run the same configuration "
+                f"{', '.join('[' + s + ']' for s in SHARED_SECTIONS)} or metrics.log_freq: every group must run the "
+                "same configuration "
                 "(only the dump folder, checkpoint folder, logging and fault_tolerance.replica_id may differ)"
             )
         return total[0]
