@@ -151,13 +151,7 @@ def section_suite(opts) -> dict:
     t0 = time.perf_counter()
     path = Path(opts.out) / "suite.log"
     limit = opts.deadline_at - time.time() - 20 if opts.deadline_at else None
-    with open(path, "w") as f:  # streamed: a run cut short still leaves what it printed
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            p.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    p, _ = _run_logged(cmd, env, path, limit)  # streamed: a run cut short still leaves what it printed
     log = path.read_text()
     summary = log.splitlines()[-1] if log.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
@@ -635,7 +629,7 @@ def section_moe_gemm(opts) -> dict:
     """One MoE layer's experts (Qwen3-30B-A3B's: 128, top-8, dim 2048, hidden 768), forward and backward: the grouped
     GEMM against a per-expert loop over the same tokens, bf16, timed with CUDA events (median of interleaved reps)."""
     import torch
-    import torch.nn.functional as F
+    from moe import per_expert_loop  # benchmarks/moe.py: the experts one at a time
 
     from titanlite.models.moe import GroupedExperts
 
@@ -651,17 +645,9 @@ def section_moe_gemm(opts) -> dict:
     x = torch.randn(tokens * top_k, dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
 
-    def loop(e, t, c):
-        outs, start = [], 0
-        for i, m in enumerate(c.tolist()):
-            s = t[start : start + m]
-            outs.append((F.silu(s @ e.w1[i]) * (s @ e.w3[i])) @ e.w2[i])
-            start += m
-        return torch.cat(outs)
-
-    fns = {"grouped": lambda e, t, c: e(t, c), "loop": loop}
+    fns = {"grouped": lambda e, t, c: e(t, c), "loop": per_expert_loop}
     with torch.no_grad():
-        diff = _rel(fns["grouped"](experts, x, counts).float(), loop(experts, x, counts).float())
+        diff = _rel(fns["grouped"](experts, x, counts).float(), per_expert_loop(experts, x, counts).float())
 
     def timed(fn) -> float:
         _sync(device)
@@ -807,6 +793,20 @@ def section_attention(opts) -> dict:
 # ---------------------------------------------------------------------------------------------- running
 
 
+def _run_logged(cmd, env, log: Path, timeout):
+    """Run cmd with its output in `log`, in a process group of its own: past `timeout` seconds the whole group is
+    killed. (the finished Popen, whether it timed out)"""
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return p, True
+    return p, False
+
+
 def _child(section: str, opts, extra=(), timeout=None) -> dict:
     """Run one section in a fresh process (its own process group: a timeout ends its children too), within the
     run's --deadline; its JSON result, or {'error': ...}."""
@@ -824,14 +824,9 @@ def _child(section: str, opts, extra=(), timeout=None) -> dict:
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     log = Path(opts.out) / f"{result.stem}.log"
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            return {"error": f"timed out after {round(timeout)} s", "log_tail": log.read_text()[-2000:]}
+    p, timed_out = _run_logged(cmd, env, log, timeout)
+    if timed_out:
+        return {"error": f"timed out after {round(timeout)} s", "log_tail": log.read_text()[-2000:]}
     if p.returncode != 0 or not result.exists():
         return {"error": f"exit status {p.returncode}", "log_tail": log.read_text()[-3000:]}
     r = json.loads(result.read_text())

@@ -35,7 +35,7 @@ from titanlite.models.moe import GroupedExperts
 import common
 
 
-def _loop(experts: GroupedExperts, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def per_expert_loop(experts: GroupedExperts, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The experts one at a time: a matmul per expert over its tokens (what a per-expert nn.Linear MoE does)."""
     outs, start = [], 0
     for e, n in enumerate(counts.tolist()):
@@ -62,12 +62,12 @@ def gemm(opts) -> list[str]:
         return time.perf_counter() - t0
 
     grouped = lambda e, x, c: e(x, c)  # noqa: E731
-    for fn in (grouped, _loop):  # warm up
+    for fn in (grouped, per_expert_loop):  # warm up
         step(fn)
     times = {"grouped": [], "loop": []}
     for rep in range(opts.reps):
         for name in ("grouped", "loop") if rep % 2 == 0 else ("loop", "grouped"):
-            times[name].append(step(grouped if name == "grouped" else _loop))
+            times[name].append(step(grouped if name == "grouped" else per_expert_loop))
     ratio = common.median_ratio(times["loop"], times["grouped"])
     rows = [
         [name, f"{statistics.median(t) * 1e3:.1f}", f"{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}"]
