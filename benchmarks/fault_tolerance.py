@@ -1,6 +1,7 @@
 """Fault-tolerant HSDP on this machine: two replica groups against HSDP in one job, and a group killed and restarted.
 
     python benchmarks/fault_tolerance.py [--group-size 2] [--steps 300] [--pause 0.05]
+    python benchmarks/fault_tolerance.py --parts parity --overrides "--parallelism.tensor_parallel_degree 2"
 
 parity: two groups of --group-size processes each (FSDP inside, gloo, a torchft lighthouse in this process) and one
 HSDP(2 x group-size) job train the tiny model 10 fp32 steps on the same data; prints whether the step lines (loss
@@ -94,8 +95,10 @@ def _steps(text: str) -> list[tuple]:
 
 def parity(opts, tmp: Path) -> list[str]:
     n = opts.group_size
-    ref = subprocess.run(_torchrun(2 * n, *_argv(tmp / "hsdp", 10), "--parallelism.data_parallel_replicate_degree",
-                                   "2"), env=_env(), capture_output=True, text=True)  # fmt: skip
+    more = opts.overrides.split()
+    ref = subprocess.run(_torchrun(2 * n, *_argv(tmp / "hsdp", 10), *more,
+                                   "--parallelism.data_parallel_replicate_degree", "2"), env=_env(),
+                         capture_output=True, text=True)  # fmt: skip
     if ref.returncode:
         raise SystemExit(ref.stderr[-3000:])
     lighthouse = _lighthouse()
@@ -120,7 +123,8 @@ def parity(opts, tmp: Path) -> list[str]:
         lighthouse.shutdown()
     want = sorted({s[:3] for s in _steps(ref.stdout + ref.stderr)})
     hsdp = _tensors(tmp / "hsdp" / "checkpoint" / "step-10", "model")
-    lines = [f"\nparity: two groups of FSDP({n}) against HSDP(2 x {n}) in one job, 10 fp32 steps"]
+    lines = [f"\nparity: two groups of {n} process(es) against replicate 2 x {n} in one job, 10 fp32 steps"
+             f"{', ' + opts.overrides if more else ''}"]  # fmt: skip
     for g, log in enumerate(logs):
         got = sorted({s[:3] for s in _steps(log.read_text())})
         weights = _tensors(tmp / f"parity{g}" / "checkpoint" / "step-10", "model")
@@ -201,6 +205,7 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=2, help="parity: processes per group")
     p.add_argument("--steps", type=int, default=300, help="kill: steps of the run")
     p.add_argument("--pause", type=float, default=0.05, help="kill: seconds each step is paced by")
+    p.add_argument("--overrides", default="", help="parity: config overrides for every run (one string)")
     opts = p.parse_args(argv)
     print(common.machine_line("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
