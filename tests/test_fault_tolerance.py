@@ -235,3 +235,17 @@ def test_each_step_checks_the_groups_ids_and_settings_in_the_token_sum():
     other = load(ft + ["--fault_tolerance.replica_id", "1", "--training.seq_len", "1024"])
     with pytest.raises(ConfigError, match=r"differ in their world size or in a setting"):
         _groups(me, _vector(other)).global_tokens(torch.tensor(100))
+
+
+def test_a_step_waits_for_min_replicas_and_then_fails_with_a_message():
+    from titanlite.config import load
+
+    cfg = load(["--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2",
+                "--fault_tolerance.min_replicas", "2", "--fault_tolerance.quorum_timeout_seconds", "0.3"])  # fmt: skip
+    rg = _groups(cfg, None)
+    quorums = []
+    rg.manager = types.SimpleNamespace(start_quorum=lambda: quorums.append(1), num_participants=lambda: 1)
+    rg.trainer = types.SimpleNamespace(step=0)
+    with pytest.raises(RuntimeError, match=r"only 1 of the fault_tolerance.min_replicas = 2 replica groups are live"):
+        rg.begin_step()
+    assert len(quorums) > 1  # it asked again instead of computing a step that could not be committed

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -155,8 +156,18 @@ class ReplicaGroups:
     def begin_step(self) -> None:
         """A new quorum of live groups (a restarted group heals here, before its forward)."""
         before = self.trainer.step
-        self.manager.start_quorum()
-        self.participants = self.manager.num_participants()
+        deadline = time.monotonic() + self.ft.quorum_timeout_seconds
+        while True:  # with fewer live groups than min_replicas, wait for more instead of computing a lost step
+            self.manager.start_quorum()
+            self.participants = self.manager.num_participants()
+            if self.participants >= self.ft.min_replicas:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"only {self.participants} of the fault_tolerance.min_replicas = {self.ft.min_replicas} replica "
+                    f"groups are live after fault_tolerance.quorum_timeout_seconds = {self.ft.quorum_timeout_seconds:g}"
+                )
+            time.sleep(0.1)
         if self.trainer.step != before:
             self.healed_at.append(self.trainer.step)
             logger.info(

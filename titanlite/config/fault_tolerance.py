@@ -32,7 +32,10 @@ class FaultTolerance:
         "", "the torchft lighthouse's address (http://host:port); '' = the TORCHFT_LIGHTHOUSE environment variable"
     )
     min_replicas: int = setting(
-        1, "live groups a step needs; with fewer, the step waits (up to quorum_timeout_seconds)", positive, POSITIVE
+        1,
+        "live groups a step needs; with fewer, the step waits for more (the run fails after quorum_timeout_seconds)",
+        positive,
+        POSITIVE,
     )
     timeout_seconds: float = setting(
         10.0,
@@ -41,5 +44,8 @@ class FaultTolerance:
         POSITIVE,
     )
     quorum_timeout_seconds: float = setting(
-        60.0, "how long a step waits for enough live groups (min_replicas) before the run fails", positive, POSITIVE
+        60.0,
+        "how long a step waits for min_replicas live groups (and torchft for a quorum) before the run fails",
+        positive,
+        POSITIVE,
     )
