@@ -71,6 +71,7 @@ def _hsdp_run(tmp):
     return t.train(), norms, full_model(t)
 
 
+@pytest.mark.slow
 def test_two_groups_give_hsdps_losses(tmp_path):
     """Without failures, two fault-tolerant groups of one process each = HSDP(2 x 1) in one job (fp32, 10 steps):
     the same losses and, after the last step, the same weights within 1e-5."""
@@ -134,6 +135,7 @@ def _wait_for(log: Path, pred, what: str, timeout: float = 120):
     raise AssertionError(f"timed out waiting for {what}: {log.read_text()[-3000:] if log.exists() else ''}")
 
 
+@pytest.mark.slow
 def test_a_killed_group_is_dropped_and_heals_when_restarted(tmp_path):
     lighthouse = _lighthouse()
     env = faults_env("", TITANLITE_STEP_PAUSE="0.05")  # a pace: the survivor must still run when the group is back
