@@ -227,7 +227,9 @@ class MetricsLogger:
         """Time spent on something other than training (validation): not in tokens/s."""
         self.throughput.exclude(seconds)
 
-    def collect(self, step: int, loss: float, grad_norm: float, lr: float, moe: dict | None = None) -> StepMetrics:
+    def collect(
+        self, step: int, loss: float, grad_norm: float, lr: float, moe: dict | None = None, replicas: str | None = None
+    ) -> StepMetrics:
         """Everything the step line shows; call after the values were read from the device (synced)."""
         tps = self.throughput.rate()
         tflops = tps * self.flops_per_token / 1e12
@@ -244,6 +246,7 @@ class MetricsLogger:
             elapsed=self.timer.elapsed(),
             eta=self.timer.eta(step),
             moe=moe,
+            replicas=replicas,
         )
 
     def log(self, m: StepMetrics) -> str:

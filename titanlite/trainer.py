@@ -213,9 +213,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if committed:
             self.lr_scheduler.step()
-        out = StepOutput(loss_sum=loss_sum, global_tokens=global_tokens, grad_norm=grad_norm, moe=moe)
-        out.committed = committed
-        return out
+        return StepOutput(loss_sum, global_tokens, grad_norm, moe, committed)
 
     def global_loss(self, out: StepOutput) -> float:
         """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
@@ -276,9 +274,8 @@ class Trainer:
                     loss = self.global_loss(out)
                     self.losses[self.step] = loss
                     moe = self.balance.report(out.moe)
-                    m = self.metrics.collect(self.step, loss, out.grad_norm.item(), lr, moe)
-                    m.replicas = None if self.replicas is None else self.replicas.label()
-                    self.metrics.log(m)
+                    replicas = None if self.replicas is None else self.replicas.label()
+                    self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr, moe, replicas))
                 if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
                     self.hang.phase(f"validation at step {self.step}")
                     self.validate()

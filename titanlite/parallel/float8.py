@@ -7,7 +7,6 @@ then computed once per optimizer step for all of them (`float8_after_step`).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -58,15 +57,14 @@ def _float8_module():
     return importlib.import_module("torchao.float8")  # optional: imported only by a run that asks for float8
 
 
-def apply_float8(model: nn.Module, float8_cfg, *, emulate: bool = False) -> int:
+def apply_float8(model: nn.Module, float8_cfg) -> int:
     """Convert the linears `model.float8_linears()` names to torchao's Float8Linear with the configured recipe;
-    returns how many. emulate: float8 arithmetic emulated in higher precision (torchao's switch, for CPU checks)."""
+    returns how many."""
     ao = _float8_module()
     if float8_cfg.recipe == "tensorwise":
-        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=float8_cfg.fsdp_float8_all_gather, emulate=emulate)
+        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=float8_cfg.fsdp_float8_all_gather)
     else:
         config = ao.Float8LinearConfig.from_recipe_name(float8_cfg.recipe)
-        config = dataclasses.replace(config, emulate=emulate)
     names = model.float8_linears()
     ao.convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in names)
     return len(names)
