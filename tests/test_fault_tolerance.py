@@ -59,8 +59,14 @@ def _steps(log: Path) -> list[tuple[int, float, int]]:
     return [(int(s), float(loss), int(r)) for s, loss, _, r in STEP_LINE.findall(log.read_text())]
 
 
-def _grad_norms(log: Path) -> dict[int, float]:
-    return {int(s): float(g) for s, _, g, _ in STEP_LINE.findall(log.read_text())}
+def _scalars(dump: Path) -> dict[str, dict[int, float]]:
+    """The loss and grad_norm a run wrote to TensorBoard, by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in (dump / "tb").rglob("events.out.tfevents*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in ("loss", "grad_norm")}
 
 
 def _hsdp_run(tmp):
@@ -79,7 +85,8 @@ def test_two_groups_give_hsdps_losses(tmp_path):
     lighthouse = _lighthouse()
     env = subprocess_env()
     logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
-    extra = ("--fault_tolerance.min_replicas", "2", "--checkpoint.enable", "--checkpoint.interval", "5")
+    extra = ("--fault_tolerance.min_replicas", "2", "--checkpoint.enable", "--checkpoint.interval", "5",
+             "--metrics.enable_tensorboard")  # fmt: skip
 
     def run_both(*more):
         procs = [
@@ -92,7 +99,7 @@ def test_two_groups_give_hsdps_losses(tmp_path):
 
     try:
         run_both()
-        first = {g: (_steps(log), _grad_norms(log)) for g, log in enumerate(logs)}
+        first = {g: (_steps(log), _scalars(tmp_path / f"group{g}")) for g, log in enumerate(logs)}
         at_10 = [_tensors(load_everything(tmp_path / f"group{g}" / "checkpoint" / "step-10")["model"]) for g in (0, 1)]
         # The whole job resumed from disk, group 1 from an older checkpoint: it heals from group 0's step 10.
         shutil.rmtree(tmp_path / "group1" / "checkpoint" / "step-10")
@@ -104,16 +111,32 @@ def test_two_groups_give_hsdps_losses(tmp_path):
     final = [_tensors(load_everything(tmp_path / f"group{g}" / "checkpoint" / "step-12")) for g in (0, 1)]
     assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
     for g in (0, 1):
-        steps, norms = first[g]
+        steps, tb = first[g]
         assert [s for s, _, _ in steps] == list(range(1, 11)) and all(r == 2 for _, _, r in steps), steps
-        for s, loss, _ in steps:
-            assert abs(loss - ref_losses[s]) < 1e-4, (s, loss, ref_losses[s])  # the step line prints 4 decimals
-        for s, norm in norms.items():  # a mis-scaled gradient shows here (Adam's update hides it)
-            assert abs(norm - ref_norms[s]) < 1e-4, (s, norm, ref_norms[s])
+        assert sorted(tb["loss"]) == list(range(1, 11))
+        for s, loss in tb["loss"].items():  # TensorBoard keeps the full float32
+            assert abs(loss - ref_losses[s]) < 1e-5, (s, loss, ref_losses[s])
+        for s, norm in tb["grad_norm"].items():  # a mis-scaled gradient shows here (Adam's update hides it)
+            assert abs(norm - ref_norms[s]) < 1e-5, (s, norm, ref_norms[s])
         weights = at_10[g]
         assert {k.lstrip(".") for k in weights} == set(ref_weights)
         for k, w in weights.items():
             torch.testing.assert_close(w, ref_weights[k.lstrip(".")], rtol=0, atol=1e-5, msg=k)
+
+
+def _running_with(text: str) -> list[int]:
+    """The live processes whose command line holds `text` (a test's folder: its jobs' workers and launchers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (entry / "stat").read_text().split(") ")[1][0]
+            except OSError:
+                continue
+            if text in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
 
 
 def _worker_of(proc) -> int:
@@ -169,6 +192,7 @@ def test_a_killed_group_is_dropped_and_heals_when_restarted(tmp_path):
                 _wait_for(logs[1], lambda _, text: "healed from a live group" in text, "the healing", timeout=120)
                 assert g0.wait(timeout=240) == 0, logs[0].read_text()[-3000:]
                 assert g1b.wait(timeout=240) == 0, logs[1].read_text()[-3000:]
+                assert not _running_with(str(tmp_path)), "processes of the job are left running"
     finally:
         lighthouse.shutdown()
     survivor = _steps(logs[0])
