@@ -10,14 +10,17 @@ import torch
 
 from titanlite.config import JobConfig
 from titanlite.dtypes import TORCH_DTYPES
+from titanlite.loss import training_loss
 from titanlite.models.lora import apply_lora
 from titanlite.models.registry import model_class
+from titanlite.models.stage import StageModule, keep_only, part_sizes
 from titanlite.parallel.ac import apply_ac
 from titanlite.parallel.compile import apply_compile
-from titanlite.parallel.dims import split_mesh
+from titanlite.parallel.dims import pipeline_mesh, split_mesh
 from titanlite.parallel.ep import apply_ep
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel.pp import V_SHAPED, rank_stages, stage_blocks, stages_per_rank
 from titanlite.parallel.tp import apply_tp
 
 
@@ -28,6 +31,9 @@ class BuiltModel:
     compiled: int  # blocks compiled
     num_sharded: int  # fully_shard units besides the root
     float8: int = 0  # linears converted to float8 training ([float8])
+    stages: list[torch.nn.Module] | None = None  # pipeline parallelism: this rank's stage modules (models/stage.py)
+    stage_ids: list[int] | None = None  # their stage indices
+    stage_blocks: list[range] | None = None  # the blocks of every stage
 
 
 def compiled_loss(cfg: JobConfig, tp: int = 1) -> bool:
@@ -85,15 +91,38 @@ def build_model(
         model.loss_chunk_tokens = chunked_loss_tokens(cfg, 1 if tp_mesh is None else tp_mesh.size())
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
     compiled = 0 if inference else apply_compile(model, cfg.compile)
-    num_sharded = 0
+    built = BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=0, float8=float8)
+    pp_mesh = pipeline_mesh(mesh)
+    units = [model]  # the FSDP roots: the model, or this rank's pipeline stages
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    if pp_mesh is not None and not inference:
+        units = _split_stages(cfg, model, pp_mesh, built, tp_mesh)
+        # A stage runs forward over every pipeline microbatch before their backwards: gathering its parameters once
+        # per local batch, not once per microbatch (and a zero-bubble schedule's weight backward needs them).
+        reshard = "never" if reshard == "default" else reshard
     if mesh is not None:
-        num_sharded = apply_fsdp(
-            model,
-            dp_mesh,
-            param_dtype=cfg.training.mixed_precision_param,
-            reduce_dtype=cfg.training.mixed_precision_reduce,
-            reshard_after_forward="always" if inference else cfg.parallelism.fsdp_reshard_after_forward,
-            cpu_offload=cfg.training.enable_cpu_offload and not inference,
-            expert_mesh=expert_mesh,
-        )
-    return BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=num_sharded, float8=float8)
+        for unit in units:
+            built.num_sharded += apply_fsdp(
+                unit,
+                dp_mesh,
+                param_dtype=cfg.training.mixed_precision_param,
+                reduce_dtype=cfg.training.mixed_precision_reduce,
+                reshard_after_forward="always" if inference else reshard,
+                cpu_offload=cfg.training.enable_cpu_offload and not inference,
+                expert_mesh=expert_mesh,
+            )
+    return built
+
+
+def _split_stages(cfg: JobConfig, model, pp_mesh, built: BuiltModel, tp_mesh) -> list[torch.nn.Module]:
+    """This rank's pipeline stage modules (parallel/pp.py); the rest of the model is dropped before it is allocated."""
+    p = cfg.parallelism
+    blocks = stage_blocks(p, part_sizes(model))
+    ids = rank_stages(pp_mesh.get_local_rank(), pp_mesh.size(), stages_per_rank(p), p.pipeline_parallel_schedule)
+    last = len(blocks) - 1
+    keep_only(model, {b for i in ids for b in blocks[i]}, 0 in ids, last in ids)
+    loss_fn = training_loss(compiled_loss(cfg, 1 if tp_mesh is None else tp_mesh.size()))
+    split = p.pipeline_parallel_schedule in V_SHAPED  # zero-bubble: backward in input and weight parts
+    built.stages = [StageModule(model, blocks[i], i == 0, i == last, loss_fn, split) for i in ids]
+    built.stage_ids, built.stage_blocks = ids, blocks
+    return built.stages

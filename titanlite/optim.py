@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 
@@ -85,11 +86,12 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, sched_cfg, total_steps:
     return LambdaLR(optimizer, schedule)
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """The global gradient norm over all ranks (a plain tensor); clips to max_norm when it is > 0.
 
     Gradients on different device meshes (an MoE's experts live on the expert mesh) are normed per mesh, each
-    with one all-reduce, and combined."""
+    with one all-reduce, and combined; with pipeline parallelism (pp_group: this rank's "pp" group) the stages'
+    norms are combined too (one more all-reduce)."""
     by_mesh: dict = {}
     for p in parameters:
         if p.grad is not None:
@@ -100,6 +102,10 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         # One all-reduce: clip_grad_norm_ would reduce the partial norm once to clip and again for full_tensor().
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    if pp_group is not None:  # each stage rank holds its stages' parameters only
+        squared = norm.double() ** 2
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt().to(norm.dtype)
     if max_norm > 0:
         for params in by_mesh.values():  # a foreach op takes one mesh's tensors at a time
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

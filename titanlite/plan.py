@@ -31,6 +31,7 @@ from titanlite.models.registry import FAMILIES, model_args, model_class
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.float8 import float8_problem
+from titanlite.parallel.pp import pipeline_problem
 from titanlite.run_control import check_lock_free
 from titanlite.wandb_tracker import wandb_problem
 
@@ -297,6 +298,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     problem = (
         float8_problem(cfg.float8, tp=dims.tp, lora=cfg.lora.enable, device_type=device_type)
         or fault_tolerance_problem(cfg, dims, check_lighthouse=device_type is not None)
+        or pipeline_problem(cfg, dims, args)
         or (compile_problem(cfg.compile, device_type) if device_type else None)
         or wandb_problem(cfg.metrics)
     )

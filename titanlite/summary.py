@@ -77,7 +77,8 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
         f"Job: {job}" + (f": {cfg.job.description}" if cfg.job.description else ""),
         f"World size {dims.world_size}: data-parallel degree {dims.dp_degree} "
         f"(replicate {dims.dp_replicate} x shard {dims.dp_shard})"
-        + (f" x tensor parallel {dims.tp}" if dims.tp > 1 else ""),
+        + (f" x tensor parallel {dims.tp}" if dims.tp > 1 else "")
+        + (f" x pipeline parallel {dims.pp}" if getattr(dims, "pp", 1) > 1 else ""),
         f"Model {cfg.model.name} {cfg.model.flavor}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding), {local:,} on this rank (its shards)",
         f"Per-rank memory estimate: parameters {human_bytes(mem.params)} + gradients "

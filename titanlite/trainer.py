@@ -34,8 +34,10 @@ from titanlite.models.rope_attention import describe_attention
 from titanlite.moe_balance import LoadBalance
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallel.ac import describe_ac_compile
+from titanlite.parallel.dims import pipeline_mesh
 from titanlite.parallel.float8 import float8_after_step
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
+from titanlite.parallel.pp import Pipeline
 from titanlite.plan import locked_folders, validate_for_world
 from titanlite.profiling import Profiler
 from titanlite.run_control import guard_run, release_all
@@ -118,6 +120,15 @@ class Trainer:
         self.model, self.num_sharded = built.model, built.num_sharded
         self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
         self.model.init_weights(cfg.training.seed)
+        self.pipeline, self.fsdp_roots = None, [self.model]  # with pp: this rank's stages run by their schedule
+        self.pp_mesh = pipeline_mesh(self.mesh)
+        if built.stages:
+            self.fsdp_roots = built.stages
+            self.pipeline = Pipeline(
+                built.stages, built.stage_ids, len(built.stage_blocks), cfg.parallelism,
+                cfg.training.local_batch_size, self.pp_mesh, self.device,
+            )  # fmt: skip
+            logger.info(self.pipeline.describe(built.stage_blocks, built.stage_ids))
         for line in describe(self.num_sharded, self.mesh, self.dims, cfg.parallelism) + startup_lines(
             self.model, self.model_args, self.dims, cfg
         ):
@@ -181,7 +192,7 @@ class Trainer:
             count = sum(counted_labels(mb[1].to(self.device, non_blocking=True)) for mb in microbatches)
             dist.all_reduce(count)
             # the cp and tp ranks of a dp rank hold the same labels
-            global_tokens = count // (self.dims.tp * self.dims.cp)
+            global_tokens = count // (self.dims.tp * self.dims.cp * self.dims.pp)
             if self.replicas is not None:  # the live groups' tokens: the parts of the absent ones are not trained
                 global_tokens = self.replicas.global_tokens(global_tokens).round().long()
             global_tokens = global_tokens.clamp(min=1)
@@ -192,18 +203,23 @@ class Trainer:
         groups = 1 if self.replicas is None else self.replicas.participants  # averaged over the live groups too
         scale = self.dims.dp_degree * self.dims.cp * groups / global_tokens
         loss_sum = torch.zeros((), device=self.device)
+        block_causal = self.model_args.attention == "block_causal"
         for i, mb in enumerate(microbatches):
             self.hang.phase(f"step {self.step}: forward/backward, microbatch {i + 1} of {len(microbatches)}")
             last = i == len(microbatches) - 1
-            with microbatch_sync(self.model, last, self.gradient_sync), loss_parallel_context(self.loss_parallel):
-                token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
-                (token_loss_sum * scale + self.balance.aux_term()).backward()
+            with microbatch_sync(self.fsdp_roots, last, self.gradient_sync), loss_parallel_context(self.loss_parallel):
+                if self.pipeline is not None:  # every stage's forward and backward, by the schedule
+                    token_loss_sum = self.pipeline.step(mb, self.device, scale, block_causal)
+                else:
+                    token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
+                    (token_loss_sum * scale + self.balance.aux_term()).backward()
             loss_sum += token_loss_sum.detach()
         if self.replicas is not None:
             self.hang.phase(f"step {self.step}: averaging the gradients over the live replica groups")
             self.replicas.average_gradients(self.model.parameters())
         self.hang.phase(f"step {self.step}: gradient norm, clipping and optimizer step")
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
+        pp_group = self.pp_mesh.get_group() if self.pp_mesh is not None else None
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm, pp_group)
         moe = self.balance.step_done()  # aux_free moves its routing bias before the optimizer step
         committed = self.replicas is None or self.replicas.commit()
         if committed:
@@ -221,7 +237,8 @@ class Trainer:
         dist.all_reduce(total)
         if self.replicas is not None:
             total = self.replicas.sum(total)
-        return (total / self.dims.tp / out.global_tokens).item()  # every tp rank holds its dp rank's loss
+        # every tp rank holds its dp rank's loss (with pp: the last stage's ranks; the others hold 0)
+        return (total / self.dims.tp / out.global_tokens).item()
 
     def train(self) -> dict[int, float]:
         """Train to training.steps; returns the logged loss per step."""
@@ -264,8 +281,8 @@ class Trainer:
                 self.tokens_seen += data.global_tokens  # padding is not a token trained on
                 for i, n in enumerate(data.sequences_by_source):
                     self.tokens_by_source[i] += n * cfg.training.seq_len
-                # tokens/s and MFU per rank: the cp x tp ranks of a dp rank share its tokens (and FLOPs)
-                self.metrics.step_done(self.step, data.local_tokens / (self.dims.tp * self.dims.cp))
+                # tokens/s and MFU per rank: the pp x cp x tp ranks of a dp rank share its tokens (and FLOPs)
+                self.metrics.step_done(self.step, data.local_tokens / (self.dims.tp * self.dims.cp * self.dims.pp))
                 self._track_non_finite(out)
                 # Only logged steps read device values (host syncs) and all-reduce the loss.
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
@@ -335,7 +352,11 @@ class Trainer:
 
     def validate(self) -> float:
         """Loss on the held-out data (the same sequences every time); logged and written to TensorBoard."""
-        r = self.validator.evaluate(self.model, self.device)
+        loss_of = None
+        if self.pipeline is not None:
+            block_causal = self.model_args.attention == "block_causal"
+            loss_of = lambda mb: self.pipeline.evaluate(mb, self.device, block_causal)  # noqa: E731
+        r = self.validator.evaluate(self.model, self.device, loss_of)
         self.val_losses[self.step] = r.loss
         self.metrics.log_validation(self.step, r.loss, r.perplexity, r.tokens, r.seconds)
         self.metrics.exclude_time(r.seconds)

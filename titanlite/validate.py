@@ -40,6 +40,7 @@ class Validator:
         self.loss_parallel = p.tensor_parallel_degree > 1 and p.enable_loss_parallel
         self.tp = p.tensor_parallel_degree
         self.cp = getattr(p, "context_parallel_degree", 1)
+        self.pp = getattr(p, "pipeline_parallel_degree", 1)
         self.loader = loader  # titanlite.data.build.build_loader(cfg, tokenizer, "validation", ...)
         self._start = self.loader.state_dict()
 
@@ -67,8 +68,9 @@ class Validator:
                 return
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, device: torch.device) -> ValidationResult:
-        """Forward only; sum of token losses / valid tokens, all-reduced over every rank."""
+    def evaluate(self, model: torch.nn.Module, device: torch.device, loss_of=None) -> ValidationResult:
+        """Forward only; sum of token losses / valid tokens, all-reduced over every rank. loss_of(microbatch):
+        (summed token loss, labels) when the model is not called as a whole (pipeline stages: parallel/pp.py)."""
         t0 = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, valid tokens
         batches = 0
@@ -76,7 +78,7 @@ class Validator:
             batches += 1
             for mb in step.microbatches:
                 with loss_parallel_context(self.loss_parallel):
-                    loss_sum, labels = microbatch_loss(model, mb, device)
+                    loss_sum, labels = loss_of(mb) if loss_of else microbatch_loss(model, mb, device)
                 totals[0] += loss_sum.double()
                 totals[1] += counted_labels(labels)
         if batches == 0:
@@ -84,10 +86,12 @@ class Validator:
                 "validation.steps = -1: the held-out data is shorter than one global batch "
                 "(training.global_batch_size x (training.seq_len + 1) tokens); use fewer or shorter sequences"
             )
-        if self.loader.dp_degree * self.cp > 1:
+        if self.loader.dp_degree * self.cp * self.pp > 1:
             dist.all_reduce(totals)
-            # the tp ranks of a dp rank hold the same sums; its cp ranks each a part of the loss, all of the labels
-            totals /= torch.tensor([self.tp, self.tp * self.cp], dtype=totals.dtype, device=totals.device)
+            # the tp ranks of a dp rank hold the same sums; its cp ranks each a part of the loss, all of the labels;
+            # its pp ranks all of the labels, and only the last stage's the loss
+            div = [self.tp, self.tp * self.cp * self.pp]
+            totals /= torch.tensor(div, dtype=totals.dtype, device=totals.device)
         loss_sum, tokens = totals.tolist()
         if tokens == 0:
             raise no_counted_tokens(self.loader, f"validation's {batches} global batch(es)", self.training)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from titanlite.config.fields import one_of, setting
 
 GRADIENT_SYNC = ("every_microbatch", "delay_all_reduce", "last_microbatch_only")
+# torch.distributed.pipelining schedules titanlite runs (parallel/pp.py); the last two hold several stages per rank
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
 
 @dataclass
@@ -42,6 +44,43 @@ class Parallelism:
         "data_parallel_shard_degree x tensor_parallel_degree",
         lambda v: v >= 1,
         "a number >= 1",
+    )
+    pipeline_parallel_degree: int = setting(
+        1,
+        "ranks the blocks are split over as pipeline stages (pipeline parallelism, the outermost mesh dimension: "
+        "across nodes); world = pp x replicate x shard x cp x tp (docs/parallelism.md)",
+        lambda v: v >= 1,
+        "a number >= 1",
+    )
+    pipeline_parallel_schedule: str = setting(
+        "1F1B",
+        "with pp > 1: the order in which stages run forward and backward over the pipeline microbatches: GPipe, "
+        "1F1B, Interleaved1F1B (several stages per rank, a smaller bubble) or ZBVZeroBubble (two stages per rank "
+        "in a V; backward split into input and weight parts)",
+        one_of(*PIPELINE_SCHEDULES),
+        ", ".join(PIPELINE_SCHEDULES),
+    )
+    pipeline_parallel_microbatches: int = setting(
+        -1,
+        "with pp > 1: pipeline microbatches each local batch is split into (the more, the smaller the bubble); "
+        "-1 = training.local_batch_size (one sequence each); must divide the local batch",
+        lambda v: v == -1 or v >= 1,
+        "-1 or a number >= 1",
+    )
+    pipeline_parallel_stages_per_rank: int = setting(
+        -1,
+        "with pp > 1: pipeline stages (model chunks) each rank holds; -1 = 1 for GPipe and 1F1B, 2 for "
+        "Interleaved1F1B and ZBVZeroBubble (which needs exactly 2)",
+        lambda v: v == -1 or v >= 1,
+        "-1 or a number >= 1",
+    )
+    pipeline_parallel_layers_per_stage: list[int] = setting(
+        [],
+        "with pp > 1: blocks in each stage, in order (one number per stage, summing to the model's blocks); empty = "
+        "split by cost (parameters: the embedding and the output projection count, so the first and last stages "
+        "hold fewer blocks)",
+        lambda v: all(n >= 1 for n in v),
+        "a list of numbers >= 1, one per stage",
     )
     enable_sequence_parallel: bool = setting(
         True, "with tp > 1: norms and the residual stream split over the sequence (less activation memory)"

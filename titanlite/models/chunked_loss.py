@@ -26,7 +26,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     weight holds the vocabulary rows vocab_start.. of a weight split over the group's ranks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, group=None, vocab_start: int = 0):
+    def forward(
+        ctx, hidden, weight, labels, chunk: int, ignore_index: int, group=None, vocab_start: int = 0, in_place=True
+    ):
+        ctx.in_place = in_place
         need_hidden, need_weight = ctx.needs_input_grad[:2]  # a frozen weight (LoRA) gets no gradient
         need_grads = need_hidden or need_weight
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -76,8 +79,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # In place: a second copy of the output's gradient would sit beside every block's activations at the
         # step's peak. Autograd's version check refuses a second backward through this node (retain_graph).
         # The fp32 scalar multiplies in fp32 and rounds once (a low-precision copy of it would bias every element).
-        grads = [g.mul_(grad_total) if g is not None else None for g in (grad_hidden, grad_weight)]
-        return *grads, None, None, None, None, None
+        # A backward split into input and weight parts (a zero-bubble pipeline schedule) runs this node twice.
+        scale = torch.Tensor.mul_ if ctx.in_place else torch.mul
+        grads = [scale(g, grad_total) if g is not None else None for g in (grad_hidden, grad_weight)]
+        return *grads, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -88,9 +93,11 @@ def chunked_linear_cross_entropy(
     ignore_index: int,
     group=None,
     vocab_start: int = 0,
+    in_place: bool = True,
 ) -> torch.Tensor:
     """The summed fp32 cross-entropy of hidden (..., dim) projected by weight (vocab, dim) against labels (...);
-    with group, weight is this rank's rows (from vocab_start) of a weight split over the group."""
+    with group, weight is this rank's rows (from vocab_start) of a weight split over the group. in_place=False:
+    backward may run more than once (it then makes new gradient tensors)."""
     return ChunkedLinearCrossEntropy.apply(
-        hidden.flatten(0, -2), weight, labels.flatten(), chunk, ignore_index, group, vocab_start
+        hidden.flatten(0, -2), weight, labels.flatten(), chunk, ignore_index, group, vocab_start, in_place
     )

@@ -104,6 +104,7 @@ class OutputProjection(nn.Linear):
     a module either way, so FSDP gathers and frees its weight around it as around any unit."""
 
     chunk_tokens = 0  # 0: never chunked (the model returns logits and the caller takes the loss)
+    backward_once = True  # False: its backward may run twice (a pipeline schedule that splits backward)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
@@ -113,9 +114,11 @@ class OutputProjection(nn.Linear):
             hidden = x.to_local() if isinstance(x, DTensor) else x  # the whole sequence, on every tp rank
             start = mesh.get_local_rank() * weight.shape[0]
             return chunked_linear_cross_entropy(
-                hidden, weight, labels, self.chunk_tokens, IGNORE_INDEX, mesh.get_group(), start
+                hidden, weight, labels, self.chunk_tokens, IGNORE_INDEX, mesh.get_group(), start, self.backward_once
             )
-        return chunked_linear_cross_entropy(x, self.weight, labels, self.chunk_tokens, IGNORE_INDEX)
+        return chunked_linear_cross_entropy(
+            x, self.weight, labels, self.chunk_tokens, IGNORE_INDEX, in_place=self.backward_once
+        )
 
 
 def is_transformer_block(name: str, module: nn.Module) -> bool:
@@ -174,11 +177,9 @@ class Transformer(nn.Module):
             start = cache.begin(n)
             rope, mask = self.rope[start : start + n], cached_attention_mask(start, n, tokens.device)
         elif positions is not None and self.args.attention == "block_causal":
-            rope, mask = self.rope[positions], block_causal_mask(positions, self.attention_kernel)
+            rope, mask = self.training_rope_mask(positions, None)
         h = self.tok_embeddings(tokens)
-        # one additive mask for every layer: SDPA would convert a boolean one in each layer and keep every copy
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        mask = _additive(mask, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layers[i])
         if cache is not None:
@@ -190,6 +191,15 @@ class Transformer(nn.Module):
         if labels is not None:  # the summed loss, in chunks (see loss_chunk_tokens)
             return self.output(self.norm(h), labels)
         return self.output(self.norm(h))
+
+    def training_rope_mask(self, positions: torch.Tensor | None, dtype: torch.dtype | None):
+        """The rotation table and attention mask of a forward without cache or context parallelism: block-causal
+        over the documents that `positions` marks (args.attention = block_causal), else causal (mask None); a
+        boolean mask becomes additive in `dtype` (None: kept boolean)."""
+        if positions is None or self.args.attention != "block_causal":
+            return self.rope, None
+        mask = block_causal_mask(positions, self.attention_kernel)
+        return self.rope[positions], mask if dtype is None else _additive(mask, dtype)
 
     cp_group = None  # context parallelism (set_context_parallel): forward computes this rank's part of sequences
 
@@ -217,7 +227,7 @@ class Transformer(nn.Module):
     @property
     def loss_chunk_tokens(self) -> int:
         """Tokens per chunk of the output projection and loss when forward gets labels; 0: forward takes none."""
-        return self.output.chunk_tokens
+        return self.output.chunk_tokens if self.output is not None else 0  # (None: on another pipeline stage)
 
     @loss_chunk_tokens.setter
     def loss_chunk_tokens(self, value: int) -> None:
@@ -301,6 +311,13 @@ class Transformer(nn.Module):
             )
             return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -2 * std, 2 * std, generator=g)
         raise KeyError(f"no init rule for parameter {name}")
+
+
+def _additive(mask, dtype: torch.dtype):
+    """One additive mask for every layer: SDPA would convert a boolean one in each layer and keep every copy."""
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask
 
 
 def _name_seed(seed: int, name: str) -> int:

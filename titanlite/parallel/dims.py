@@ -7,7 +7,9 @@ rank are neighbours (rank = dp_rank * tp + tp_rank), inside a node; FSDP runs on
 sub-mesh and the TP plan on the "tp" one. Context parallelism (cp > 1) sits between them (rank =
 (dp_rank * cp + cp_rank) * tp + tp_rank): the cp ranks of a data-parallel rank read its batch and each take
 a part of every sequence; FSDP shards over the shard and cp ranks together ("dp_shard_cp"), and attention
-gathers keys and values over a mesh of their own (build_cp_mesh).
+gathers keys and values over a mesh of their own (build_cp_mesh). Pipeline parallelism (pp > 1) is the
+outermost dimension (rank = pp_rank * world / pp + the rank inside its stage group): each "pp" slice of the mesh
+holds one pipeline stage (or several: parallel/pp.py) and is a whole data/tensor-parallel mesh of its own.
 """
 
 from __future__ import annotations
@@ -29,17 +31,33 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1  # expert parallelism: ranks borrowed from dp_shard x tp (MoE models)
     cp: int = 1  # context parallelism: each sequence split over cp ranks
+    pp: int = 1  # pipeline parallelism: the blocks split over pp stage groups (outermost)
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
-        """Resolve -1 and check that replicate x shard x tp equals the world size."""
+        """Resolve -1 and check that pp x replicate x shard x cp x tp equals the world size."""
+        pp = getattr(parallelism, "pipeline_parallel_degree", 1)
+        if world_size % pp:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_degree = {pp} does not divide the world size {world_size}; valid: "
+                f"{', '.join(str(d) for d in _divisors(world_size))}"
+            )
+        ranks = f"the world size {world_size}" + (
+            f" / pipeline_parallel_degree {pp} = {world_size // pp}" if pp > 1 else ""
+        )
+        dims = cls._from_stage_world(parallelism, world_size // pp, ranks)
+        return cls(dims.dp_replicate, dims.dp_shard, world_size, dims.tp, dims.ep, dims.cp, pp)
+
+    @classmethod
+    def _from_stage_world(cls, parallelism, world_size: int, ranks: str) -> ParallelDims:
+        """The degrees inside one pipeline stage group (world_size: the ranks of one; the whole world without pp)."""
         replicate = parallelism.data_parallel_replicate_degree
         shard = parallelism.data_parallel_shard_degree
         tp = getattr(parallelism, "tensor_parallel_degree", 1)
         cp = getattr(parallelism, "context_parallel_degree", 1)
         if world_size % cp:
             raise ConfigError(
-                f"parallelism.context_parallel_degree = {cp} does not divide the world size {world_size}; valid: "
+                f"parallelism.context_parallel_degree = {cp} does not divide {ranks}; valid: "
                 f"{', '.join(str(d) for d in _divisors(world_size))}"
             )
         with_tp = (f" x context_parallel_degree = {cp}" if cp > 1 else "") + (
@@ -47,7 +65,7 @@ class ParallelDims:
         )
         if world_size % (tp * cp):
             raise ConfigError(
-                f"parallelism.tensor_parallel_degree = {tp} does not divide the world size {world_size}"
+                f"parallelism.tensor_parallel_degree = {tp} does not divide {ranks}"
                 + (f" / context_parallel_degree {cp}" if cp > 1 else "")
                 + f"; valid: {', '.join(str(d) for d in _divisors(world_size // cp))}"
             )
@@ -55,16 +73,16 @@ class ParallelDims:
         if shard == -1:
             if (world_size // tp) % replicate:
                 raise ConfigError(
-                    f"parallelism.data_parallel_replicate_degree = {replicate}{with_tp} does not divide the world "
-                    f"size {world_size}, so data_parallel_shard_degree = -1 cannot fill the rest; valid replicate "
+                    f"parallelism.data_parallel_replicate_degree = {replicate}{with_tp} does not divide "
+                    f"{ranks}, so data_parallel_shard_degree = -1 cannot fill the rest; valid replicate "
                     f"degrees: {', '.join(str(d) for d in _divisors(world_size // tp))}"
                 )
             shard = world_size // tp // replicate
         if replicate * shard * tp != world_size:
             raise ConfigError(
                 f"parallelism.data_parallel_replicate_degree = {replicate} x data_parallel_shard_degree = {shard}"
-                f"{with_tp} = {replicate * shard * tp}, but the world size is {world_size}; the product must equal "
-                f"the world size (set data_parallel_shard_degree = -1 to fill the rest)"
+                f"{with_tp} = {replicate * shard * tp}, but {ranks.replace('the world size', 'the world size is', 1)}; "
+                f"the product must equal it (set data_parallel_shard_degree = -1 to fill the rest)"
             )
         tp //= cp
         ep = getattr(parallelism, "expert_parallel_degree", 1)
@@ -83,8 +101,13 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank of a global rank (cp, then tp, are the innermost mesh dimensions)."""
-        return rank // (self.tp * self.cp)
+        """The data-parallel rank of a global rank (cp, then tp, are the innermost mesh dimensions; pp the
+        outermost: the stages of one data-parallel rank read the same batches)."""
+        return rank % (self.world_size // self.pp) // (self.tp * self.cp)
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline rank of a global rank (0 without pipeline parallelism)."""
+        return rank // (self.world_size // self.pp)
 
     @property
     def hsdp(self) -> bool:
@@ -105,13 +128,13 @@ class ParallelDims:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return self.dp_mesh_dim_names + (("tp",) if self.tp > 1 else ())
+        return (("pp",) if self.pp > 1 else ()) + self.dp_mesh_dim_names + (("tp",) if self.tp > 1 else ())
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         shard = self.dp_shard * self.cp
         dp = (self.dp_replicate, shard) if self.dp_replicate > 1 else (shard,)
-        return dp + ((self.tp,) if self.tp > 1 else ())
+        return ((self.pp,) if self.pp > 1 else ()) + dp + ((self.tp,) if self.tp > 1 else ())
 
     @property
     def fsdp_size(self) -> int:
@@ -137,6 +160,10 @@ class ParallelDims:
 
     def describe(self) -> str:
         """The log line that says which data parallelism this is."""
+        pp = f"PP: pipeline_parallel_size={self.pp}; " if self.pp > 1 else ""
+        return pp + self._describe_dp()
+
+    def _describe_dp(self) -> str:
         cp = f", context_parallel_size={self.cp} (FSDP over shard x cp)" if self.cp > 1 else ""
         if self.hsdp or (self.dp_replicate > 1 and self.cp > 1):
             return f"HSDP: replicate_size={self.dp_replicate}, shard_size={self.dp_shard}{cp}"
@@ -181,12 +208,18 @@ class ParallelDims:
 
 
 def split_mesh(mesh):
-    """(the data-parallel sub-mesh, the "tp" sub-mesh or None) of a mesh built by ParallelDims.build_mesh."""
+    """(the data-parallel sub-mesh, the "tp" sub-mesh or None) of a mesh built by ParallelDims.build_mesh (with
+    pp: of this rank's pipeline stage group)."""
     names = tuple(mesh.mesh_dim_names)
-    if "tp" not in names:
+    if "tp" not in names and "pp" not in names:
         return mesh, None
-    dp = tuple(n for n in names if n != "tp")
-    return mesh[dp], mesh["tp"]
+    dp = tuple(n for n in names if n not in ("tp", "pp"))
+    return mesh[dp], mesh["tp"] if "tp" in names else None
+
+
+def pipeline_mesh(mesh):
+    """The 1-D "pp" sub-mesh of a mesh built by ParallelDims.build_mesh (None without pipeline parallelism)."""
+    return mesh["pp"] if mesh is not None and "pp" in mesh.mesh_dim_names else None
 
 
 def _divisors(n: int) -> list[int]:

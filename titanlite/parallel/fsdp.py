@@ -100,6 +100,11 @@ def gradient_sync_plan(mode: str, dims, grad_accum: int) -> tuple[str, str | Non
             f"{grad_accum} microbatch(es))"
         )
     if mode == "last_microbatch_only":
+        if getattr(dims, "pp", 1) > 1:
+            return "every_microbatch", (
+                "parallelism.gradient_sync = last_microbatch_only has no effect with pipeline parallelism: each "
+                "stage already reduces its gradients once per local batch, after its last pipeline microbatch"
+            )
         if grad_accum > 1:
             return mode, (
                 f"Gradient sync on the last of {grad_accum} microbatches only: unsharded gradients "
@@ -110,19 +115,21 @@ def gradient_sync_plan(mode: str, dims, grad_accum: int) -> tuple[str, str | Non
 
 
 @contextmanager
-def microbatch_sync(model: nn.Module, is_last: bool, mode: str):
-    """Gradient synchronisation for one microbatch of an accumulated step, by gradient_sync mode.
+def microbatch_sync(model: nn.Module | list[nn.Module], is_last: bool, mode: str):
+    """Gradient synchronisation for one microbatch of an accumulated step, by gradient_sync mode (model: the FSDP
+    root, or a list of them: pipeline stages).
 
     every_microbatch: FSDP's default (reduce-scatter, and across replicas all-reduce, on each
     microbatch). delay_all_reduce: the replicate-group all-reduce runs only on the last
     microbatch; the reduce-scatter inside the shard group still runs on every one.
     last_microbatch_only: no reduction at all before the last microbatch.
     """
-    setter = _SYNC_SETTERS.get(mode) if isinstance(model, FSDPModule) else None
-    if setter:
-        getattr(model, setter)(is_last)  # recurses into every FSDP module
+    roots = [m for m in (model if isinstance(model, (list, tuple)) else [model]) if isinstance(m, FSDPModule)]
+    setter = _SYNC_SETTERS.get(mode)
+    for root in roots if setter else []:
+        getattr(root, setter)(is_last)  # recurses into every FSDP module
     try:
         yield
     finally:
-        if setter:
-            getattr(model, setter)(True)
+        for root in roots if setter else []:
+            getattr(root, setter)(True)
