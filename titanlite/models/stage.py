@@ -26,9 +26,10 @@ class AbsentBlock(nn.Module):
 class StageModule(nn.Module):
     """Blocks `blocks` of `model` (with the embedding when first, the norm, output projection and loss when last).
 
-    split: the schedule splits backward into input and weight parts. forward(x, labels, positions): x is the tokens on the first stage, the previous stage's hidden states
-    elsewhere; the last stage returns the summed cross-entropy over the counted labels (in chunks when the model's
-    loss_chunk_tokens is set, else loss_fn over the logits), the others their hidden states.
+    split: the schedule splits backward into input and weight parts. forward(x, labels, positions): x is the
+    tokens on the first stage, the previous stage's hidden states elsewhere; the last stage returns the summed
+    cross-entropy over the counted labels (in chunks when the model's loss_chunk_tokens is set, else loss_fn over
+    the logits), the others their hidden states.
     """
 
     def __init__(

@@ -120,11 +120,9 @@ def pipeline_problem(cfg, dims, args) -> str | None:
             f"parallelism.pipeline_parallel_stages_per_rank = {per_rank}: pipeline_parallel_schedule = {schedule} "
             f"runs exactly 2 stages per rank; use 2 (or -1)"
         )
-    if schedule in V_SHAPED and p.fsdp_reshard_after_forward != "default" and p.fsdp_reshard_after_forward != "never":
-        return (
-            f"parallelism.fsdp_reshard_after_forward = {p.fsdp_reshard_after_forward!r} with pipeline_parallel_schedule "
-            f"= {schedule}: its weight backward needs the stage's gathered parameters; use default or never"
-        )
+    raf = p.fsdp_reshard_after_forward
+    if schedule in V_SHAPED and raf not in ("default", "never"):
+        return f"parallelism.fsdp_reshard_after_forward = {raf!r} with pipeline_parallel_schedule = {schedule}: its weight backward needs the stage's gathered parameters; use default or never"
     if schedule in V_SHAPED and cfg.compile.enable:
         return (
             f"parallelism.pipeline_parallel_schedule = {schedule} splits each backward into input and weight parts, "
