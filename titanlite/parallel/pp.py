@@ -122,8 +122,10 @@ def pipeline_problem(cfg, dims, args) -> str | None:
         )
     raf = p.fsdp_reshard_after_forward
     if schedule in V_SHAPED and raf not in ("default", "never"):
-        return f"parallelism.fsdp_reshard_after_forward = {raf!r} with pipeline_parallel_schedule = {schedule}: "
+        return (
+            f"parallelism.fsdp_reshard_after_forward = {raf!r} with pipeline_parallel_schedule = {schedule}: "
             f"its weight backward needs the stage's gathered parameters; use default or never"
+        )
     if schedule in V_SHAPED and cfg.compile.enable:
         return (
             f"parallelism.pipeline_parallel_schedule = {schedule} splits each backward into input and weight parts, "
