@@ -167,7 +167,7 @@ class CheckpointManager:
         if "model" in self.wanted:
             check_model_matches(info.path, self.model.args)
             check_model_fits(
-                self.parts["model"].state_dict(),
+                self.parts["model"].shapes(self.job_cfg.parallelism.pipeline_parallel_degree > 1),
                 saved_shapes(read_metadata(info.path), "model."),
                 str(info.path),
                 "; was it saved with another lora.rank or lora.targets?" if self.lora else None,

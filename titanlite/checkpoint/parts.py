@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +29,16 @@ class ModelPart(Stateful):
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, trainable_only: bool = False):
         self.model, self.dtype = model, dtype
         self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+    def shapes(self, every_rank: bool = False) -> dict[str, tuple]:
+        """Each parameter's full shape, by name; every_rank: those of every rank's model together (pipeline stages
+        each hold a part of the model; a collective)."""
+        mine = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        if not every_rank:
+            return mine
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return {k: v for part in parts for k, v in part.items()}
 
     def state_dict(self) -> dict:
         sd = get_model_state_dict(self.model, options=self.options)

@@ -205,7 +205,7 @@ class Pipeline:
         if positions and len(microbatch) > 2:
             kwargs["positions"] = microbatch[2].to(device, non_blocking=True)
         self._sums = []
-        run(*((inputs,) if self.first else ()), target=labels, **kwargs)
+        run(*((inputs,) if self.first else ()), target=labels, return_outputs=False, **kwargs)
         # the last n: the schedule's first step also calls the loss once to infer the stages' gradient shapes
         sums = self._sums[-self.n_microbatches :]
         loss = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
@@ -215,8 +215,7 @@ class Pipeline:
         """Forward and backward of one local batch (inputs, labels[, positions]); the gradient is that of
         scale x the summed token loss. Returns the summed token loss (zero on ranks without the last stage)."""
         self.scale = scale
-        return self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), microbatch, device,
-                         positions)[0]  # fmt: skip
+        return self._run(self.schedule.step, microbatch, device, positions)[0]
 
     @torch.no_grad()
     def evaluate(self, microbatch, device: torch.device, positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
