@@ -35,9 +35,9 @@ def _run(cases):
         norms = {}
         step = trainer.train_step
 
-        def recorded(*a, _step=step, _trainer=trainer, **k):
+        def recorded(*a, _step=step, _trainer=trainer, _norms=norms, **k):
             result = _step(*a, **k)
-            norms[_trainer.step] = result.grad_norm.item()
+            _norms[_trainer.step] = result.grad_norm.item()
             return result
 
         trainer.train_step = recorded
