@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from helpers import make_trainer, run_distributed, tiny_argv
+from helpers import make_trainer, run_distributed, run_module, tiny_argv
 
 # The debug model (6 blocks) at seq 32: 4 sequences per local batch = 4 pipeline microbatches; global batch 8.
 BASE = ("--model.flavor", "debugmodel", "--training.local_batch_size", "4", "--training.global_batch_size", "8")
@@ -129,6 +129,17 @@ def test_pipeline_matches_one_process(tmp_path):
     _drop_after(pp_fsdp, 5)
     back = run_distributed(_run, 1, [("back", pp_fsdp, ())])[0]["back"]
     _same(back, four["fsdp"], "PP(2) x FSDP(2) -> one process", steps=range(6, 11))
+
+    # generate runs without pp: a PP(2) x FSDP(2) run's checkpoint (the one-process resume's step 10), as one model
+    def generate(*extra):
+        return run_module("titanlite.generate", "--config", "debug_model", *_argv(pp_fsdp), "--checkpoint",
+                          str(pp_fsdp / "checkpoint"), "--prompt", "The", "--max-new-tokens", "8", "--temperature",
+                          "0", *extra)  # fmt: skip
+
+    plain, with_pp = generate(), generate(*_pp("1F1B"))
+    assert plain.returncode == 0 and with_pp.returncode == 0, with_pp.stderr[-2000:]
+    assert with_pp.stdout == plain.stdout and plain.stdout.startswith("The")
+    assert "pipeline_parallel_degree = 2 is a training setting: generation runs without it" in with_pp.stderr
 
 
 def _parallelism(**kw):

@@ -113,6 +113,12 @@ def run(argv: list[str]) -> str:
             "generation runs without it"
         )
         cfg.parallelism.context_parallel_degree = 1
+    if cfg.parallelism.pipeline_parallel_degree > 1:  # a checkpoint does not depend on pp: one model per rank
+        logger.info(
+            f"parallelism.pipeline_parallel_degree = {cfg.parallelism.pipeline_parallel_degree} is a training setting: "
+            "generation runs without it"
+        )
+        cfg.parallelism.pipeline_parallel_degree = 1
     world = world_size_from_env()
     try:  # one process too: a degree it cannot honour is an error, not ignored
         dims = ParallelDims.from_config(cfg.parallelism, world)
