@@ -76,6 +76,35 @@ def test_dry_run_70b(capsys):
     assert code == 0 and "GPU memory    141.00 GiB" in out
 
 
+def _pipeline_rows(out) -> dict[int, list[float]]:
+    """Pipeline rank -> (params, grads, optim, gathered, activations, in flight, total) GiB from the pp table."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("  rank "):
+            words = line.replace("(", " ").replace(")", " ").split()
+            rows[int(words[1])] = [float(w) for w in words[4:]]
+    return rows
+
+
+def test_dry_run_405b_3d_per_pipeline_rank(capsys):
+    code, out, _ = _main(capsys, 512, "--job.config_file", "llama405b_3d")
+    assert code == 0 and "PP: pipeline_parallel_size=8; FSDP: shard_size=8" in out and "fits: yes" in out
+    assert "126 blocks in 8 stages of 15, 16, 16, 16, 16, 16, 16, 15 (by parameters)" in out
+    assert "bubble 17.9% in theory" in out
+    rows = _pipeline_rows(out)
+    assert sorted(rows) == list(range(8))
+    assert [rows[r][5] for r in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]  # 1F1B: the first stage holds the most
+    # every rank's fp32 parameter shards together are the model (x tp x dp), within the norms tp replicates
+    assert abs(sum(r[0] for r in rows.values()) * 64 * GIB / 4 / 405.85e9 - 1) < 0.01
+    code, out, _ = _main(capsys, 512, "--job.config_file", "llama405b_3d",
+                         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")  # fmt: skip
+    inter = _pipeline_rows(out)
+    assert "16 stages of 7, 8," in out and "bubble 9.9% in theory" in out and inter[0][5] == 11.5
+    code, out, _ = _main(capsys, 512, "--job.config_file", "llama405b_3d",
+                         "--parallelism.pipeline_parallel_schedule", "GPipe")  # fmt: skip
+    assert all(r[4] > 3 * rows[i][4] for i, r in _pipeline_rows(out).items())  # GPipe holds all 32 microbatches
+
+
 def test_dry_run_catches_the_runs_config_errors(capsys):
     r = _launcher(["--config", "llama8b_hsdp", "--dry-run", "--parallelism.data_parallel_replicate_degree", "3"])
     assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -21,6 +21,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.ac import ac_label, describe_ac_compile
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.fsdp import describe, gradient_sync_plan
+from titanlite.pipeline_sizing import pipeline_report
 
 DEFAULT_GPU_MEM_GIB = 80.0
 # Kept free for the CUDA context, NCCL's buffers and the caching allocator's fragmentation.
@@ -254,6 +255,8 @@ def _activation_text(tokens: int, dtype: str, ac: str) -> str:
 
 def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[list[str], bool]:
     """The dry run's report lines for this job, and whether it fits a GPU of gpu_mem_gib."""
+    if plan.dims.pp > 1:  # per pipeline rank
+        return pipeline_report(cfg, plan, world_size, where, gpu_mem_gib, gpu_mem_gib * (1 - RESERVE_FRACTION))
     est = estimate(cfg, plan, world_size)
     t, args, ac = cfg.training, plan.model_args, cfg.activation_checkpoint
     tokens = t.local_batch_size * t.seq_len // plan.dims.cp  # this rank's part of the sequences
