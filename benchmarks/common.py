@@ -153,11 +153,13 @@ def trainer_config(
     extra: tuple[str, ...] = (),
 ):
     """The JobConfig of a benchmark Trainer of world ranks (extra: more overrides; with
-    --parallelism.tensor_parallel_degree N the global batch counts world / N dp ranks)."""
+    --parallelism.tensor_parallel_degree or pipeline_parallel_degree N the global batch counts world / N dp
+    ranks)."""
     from titanlite.config import load
 
-    if "--parallelism.tensor_parallel_degree" in extra:
-        world //= int(extra[extra.index("--parallelism.tensor_parallel_degree") + 1])
+    for key in ("--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"):
+        if key in extra:
+            world //= int(extra[extra.index(key) + 1])
     flavor = register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
     argv = [
         "--model.flavor",

@@ -128,3 +128,18 @@ def test_context_parallel_benchmark_prints_its_tables():
     assert re.search(r"CP\(2\), 2 processes\s+\d+\s+[\d,]+\s+x[\d.]+", out), out
     assert re.search(r"4\s+two chunks, one from each end\s+[\d. ]+\s+1\.00", out), out
     assert re.search(r"4\s+one contiguous block\s+[\d. ]+\s+1\.7\d", out), out  # the last of 4 blocks: 1.75x
+
+
+def test_pipeline_benchmark_prints_each_schedule_against_fsdp():
+    out = _bench(
+        "pipeline.py", *TINY_SHAPE, "--layers", "4", "--reps", "1", "--steps", "1", "--warmup", "1", "--batch", "2"
+    )
+    assert "world 2, global batch 4 x" in out and "(4 pipeline microbatches at PP(2))" in out
+    assert re.search(r"FSDP\(2\)\s+[\d.]+", out), out
+    for schedule, bubble in (
+        ("GPipe", "20.0%"),
+        ("1F1B", "20.0%"),
+        ("Interleaved1F1B", "11.1%"),
+        ("ZBVZeroBubble", "0.0%"),
+    ):
+        assert re.search(rf"PP\(2\) {schedule}\s+[\d.]+\s+[\d.-]+\s+x[\d.]+\s+[\d.]+%\s+{re.escape(bubble)}", out), out
