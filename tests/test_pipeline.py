@@ -62,7 +62,9 @@ def _drop_after(folder, step: int):
 @pytest.mark.slow
 def test_pipeline_matches_one_process(tmp_path):
     one, pp_fsdp = tmp_path / "one", tmp_path / "pp_fsdp"
-    (ref,) = [r["one"] for r in run_distributed(_run, 1, [("one", one, (*VALIDATE, *CKPT))])]
+    BLOCK = ("--model.attention", "block_causal")  # document starts travel to every stage
+    refs = run_distributed(_run, 1, [("one", one, (*VALIDATE, *CKPT)), ("docs", tmp_path / "docs", BLOCK)])[0]
+    ref = refs["one"]
     assert ref["val"] and all(v > 0 for v in ref["val"].values())
 
     two = run_distributed(
@@ -73,6 +75,7 @@ def test_pipeline_matches_one_process(tmp_path):
             ("1F1B", tmp_path / "f", (*_pp("1F1B"), *VALIDATE, *CKPT)),
             ("Interleaved1F1B", tmp_path / "i", _pp("Interleaved1F1B")),
             ("ZBVZeroBubble", tmp_path / "z", _pp("ZBVZeroBubble")),
+            ("block_causal", tmp_path / "b", (*_pp("1F1B"), *BLOCK)),
             # 2 pipeline microbatches of 2 sequences; 3 stages per rank (6 of 1 block each)
             (
                 "fewer",
@@ -88,7 +91,8 @@ def test_pipeline_matches_one_process(tmp_path):
         ],
     )[-1]  # the last stage's rank logs what rank 0 logs; its norms are the global ones too
     for name, got in two.items():
-        _same(got, ref, name)
+        _same(got, refs["docs"] if name == "block_causal" else ref, name)
+    assert abs(refs["docs"]["loss"][2] - ref["loss"][2]) > 1e-4  # the documents do change the loss
     assert two["1F1B"]["val"].keys() == ref["val"].keys()
     assert all(abs(two["1F1B"]["val"][s] - v) < 1e-5 for s, v in ref["val"].items())
 

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 
 from titanlite import memory_estimate as me
 from titanlite.compat import fake_store
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model, chunked_loss_tokens, compiled_loss
+from titanlite.models.registry import model_class
+from titanlite.models.stage import part_sizes
 from titanlite.parallel.fsdp import describe
-from titanlite.parallel.pp import bubble_fraction, pipeline_microbatches, stages_per_rank
+from titanlite.parallel.pp import bubble_fraction, pipeline_microbatches, rank_stages, stage_blocks, stages_per_rank
 
 GIB = 1024**3
 
@@ -60,22 +63,36 @@ def in_flight(schedule: str, pp: int, rank: int, m: int, v: int) -> float:
     return min(warmup + 1, m * v) / v
 
 
-def rank_memory(cfg, plan, world_size: int, pp_rank: int) -> RankMemory:
-    """Build pipeline rank pp_rank's stages over a fake process group and size them."""
-    dims, args, t = plan.dims, plan.model_args, cfg.training
+def _built_rank(cfg, plan, world_size: int, pp_rank: int) -> dict:
+    """What the dry run reads from pipeline rank pp_rank's stages, built over a fake process group."""
+    dims = plan.dims
     dist.init_process_group("fake", store=fake_store(), rank=pp_rank * (world_size // dims.pp), world_size=world_size)
     try:
-        built = build_model(replace(cfg, float8=replace(cfg.float8, enable=False)), args, dims.build_mesh("cpu"))
-        state = me.sharded_state_bytes(built.model)
-        units = [n for stage in built.stages for n in me.unit_numels(stage)]
-        grad_units = [n for stage in built.stages for n in me.unit_numels(stage, trainable_only=True)]
-        blocks = [b for i in built.stage_ids for b in built.stage_blocks[i]]
-        last = len(built.stage_blocks) - 1 in built.stage_ids
-        ids, ac_blocks, split = built.stage_ids, built.ac_blocks, [len(b) for b in built.stage_blocks]
-        setup = describe(built.num_sharded, dims.build_mesh("cpu"), dims, cfg.parallelism)
+        mesh = dims.build_mesh("cpu")
+        built = build_model(replace(cfg, float8=replace(cfg.float8, enable=False)), plan.model_args, mesh)
+        return dict(
+            state=me.sharded_state_bytes(built.model),
+            units=[n for stage in built.stages for n in me.unit_numels(stage)],
+            grad_units=[n for stage in built.stages for n in me.unit_numels(stage, trainable_only=True)],
+            ac_blocks=built.ac_blocks,
+            setup=describe(built.num_sharded, mesh, dims, cfg.parallelism),
+        )
     finally:
         dist.destroy_process_group()
-    p = cfg.parallelism
+
+
+def rank_memory(cfg, plan, world_size: int, pp_rank: int, split: list[range], built: dict) -> RankMemory:
+    """Size pipeline rank pp_rank (split: every stage's blocks); built caches the builds by the shape of a rank's
+    stages (ranks whose stages hold as many blocks, with or without the ends, hold the same state)."""
+    dims, args, t, p = plan.dims, plan.model_args, cfg.training, cfg.parallelism
+    ids = rank_stages(pp_rank, dims.pp, stages_per_rank(p), p.pipeline_parallel_schedule)
+    last = len(split) - 1 in ids
+    key = (tuple(len(split[i]) for i in ids), 0 in ids, last)
+    if key not in built:
+        built[key] = _built_rank(cfg, plan, world_size, pp_rank)
+    b = built[key]
+    state, units, grad_units, ac_blocks, setup = b["state"], b["units"], b["grad_units"], b["ac_blocks"], b["setup"]
+    blocks = [block for i in ids for block in split[i]]
     pbytes, rbytes = dtype_bytes(t.mixed_precision_param), dtype_bytes(t.mixed_precision_reduce)
     gathered_params = sum(units) if p.fsdp_reshard_after_forward in ("default", "never") else 2 * max(units)
     gathered = gathered_params * pbytes + sum(grad_units) * rbytes if dims.fsdp_size > 1 else sum(grad_units) * rbytes
@@ -97,13 +114,16 @@ def rank_memory(cfg, plan, world_size: int, pp_rank: int) -> RankMemory:
         )  # fmt: skip
         activations += parts["final norm"] + parts["loss or recompute"]
     return RankMemory(pp_rank, ids, blocks, state.params, state.grads, state.optimizer, gathered, int(activations),
-                      flight, split, setup)  # fmt: skip
+                      flight, [len(b) for b in split], setup)  # fmt: skip
 
 
 def pipeline_report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float, usable_gib: float):
     """The dry run's report under pipeline parallelism (lines, fits): one row per pipeline rank."""
     dims, args, t, p = plan.dims, plan.model_args, cfg.training, cfg.parallelism
-    ranks = [rank_memory(cfg, plan, world_size, r) for r in range(dims.pp)]
+    with torch.device("meta"):
+        split = stage_blocks(p, part_sizes(model_class(cfg.model.name)(args)))
+    built: dict = {}
+    ranks = [rank_memory(cfg, plan, world_size, r, split, built) for r in range(dims.pp)]
     m, v = pipeline_microbatches(p, t.local_batch_size), stages_per_rank(p)
     bubble = bubble_fraction(p.pipeline_parallel_schedule, dims.pp, m, v)
     worst = max(ranks, key=lambda r: r.total)
