@@ -76,6 +76,20 @@ def test_pipeline_matches_one_process(tmp_path):
             ("Interleaved1F1B", tmp_path / "i", _pp("Interleaved1F1B")),
             ("ZBVZeroBubble", tmp_path / "z", _pp("ZBVZeroBubble")),
             ("block_causal", tmp_path / "b", (*_pp("1F1B"), *BLOCK)),
+            ("ZBV_full_ac", tmp_path / "za", (*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode", "full")),
+            (
+                "op_ac_compiled",
+                tmp_path / "c",
+                (
+                    *_pp("Interleaved1F1B"),
+                    "--activation_checkpoint.mode",
+                    "selective",
+                    "--compile.enable",
+                    "true",
+                    "--compile.backend",
+                    "aot_eager",
+                ),
+            ),
             # 2 pipeline microbatches of 2 sequences; 3 stages per rank (6 of 1 block each)
             (
                 "fewer",

@@ -126,6 +126,13 @@ def pipeline_problem(cfg, dims, args) -> str | None:
             f"parallelism.fsdp_reshard_after_forward = {raf!r} with pipeline_parallel_schedule = {schedule}: "
             f"its weight backward needs the stage's gathered parameters; use default or never"
         )
+    ac = cfg.activation_checkpoint
+    if schedule in V_SHAPED and ac.mode == "selective" and ac.selective_ac_option == "op":
+        return (
+            f"parallelism.pipeline_parallel_schedule = {schedule} runs each block's backward twice (input, then "
+            f"weight gradients), which selective op activation checkpointing refuses; use activation_checkpoint.mode "
+            f"= full (or selective_ac_option = an integer), or 1F1B or Interleaved1F1B"
+        )
     if schedule in V_SHAPED and cfg.compile.enable:
         return (
             f"parallelism.pipeline_parallel_schedule = {schedule} splits each backward into input and weight parts, "
