@@ -220,6 +220,31 @@ def time_steps(step, steps: int, device: torch.device) -> float:
     return elapsed.item() / steps
 
 
+def add_repetition_args(p, reps: int) -> None:
+    """--reps, --steps and --warmup of a benchmark that times its modes interleaved."""
+    p.add_argument("--reps", type=int, default=reps, help="repetitions of each mode (interleaved)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+
+
+def time_modes(trainers: dict, batches: dict, opts, device: torch.device, after_warmup=None) -> dict[str, list[float]]:
+    """Seconds per train_step of each mode (trainers and batches by mode), per repetition: opts.warmup untimed
+    steps each (then after_warmup(), if given), then opts.reps repetitions of opts.steps steps, the modes in an
+    order rotated every repetition."""
+    modes = list(trainers)
+    for m in modes:
+        for _ in range(opts.warmup):
+            trainers[m].train_step(batches[m])
+    if after_warmup is not None:
+        after_warmup()
+    times = {m: [] for m in modes}
+    for rep in range(opts.reps):
+        for m in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
+            step = lambda t=trainers[m], mbs=batches[m]: t.train_step(mbs)  # noqa: E731
+            times[m].append(time_steps(step, opts.steps, device))
+    return times
+
+
 def summary(values: list[float]) -> tuple[float, float, float]:
     """(median, min, max)."""
     return statistics.median(values), min(values), max(values)

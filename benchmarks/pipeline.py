@@ -79,16 +79,12 @@ def _run_world(opts, device_type: str) -> dict | None:
     whole = common.random_microbatches([2 * opts.batch], opts.seq_len, vocab, seed=0)  # the global batch
     half = [tuple(t[rank * opts.batch : (rank + 1) * opts.batch] for t in whole[0])]
     batches = {m: half if m == "fsdp" else whole for m in opts.modes}
-    for m, t in trainers.items():  # warm up (the pipeline's first step also infers its stages' shapes)
-        for _ in range(opts.warmup):
-            t.train_step(batches[m])
-    busy = {m: _Busy(t.pipeline) for m, t in trainers.items() if t.pipeline is not None}
-    times = {m: [] for m in opts.modes}
-    for rep in range(opts.reps):
-        order = opts.modes[rep % len(opts.modes) :] + opts.modes[: rep % len(opts.modes)]
-        for m in order:
-            step = lambda t=trainers[m], mbs=batches[m]: t.train_step(mbs)
-            times[m].append(common.time_steps(step, opts.steps, device))
+    busy = {}  # counted after the warm-up (whose first step also infers the stages' shapes)
+
+    def count_busy():
+        busy.update({m: _Busy(t.pipeline) for m, t in trainers.items() if t.pipeline is not None})
+
+    times = common.time_modes(trainers, batches, opts, device, after_warmup=count_busy)
     idle = {}
     for m, b in busy.items():
         mine = [1 - b.busy / b.inside]
@@ -129,9 +125,7 @@ def main(argv=None) -> None:
     common.add_common_args(p, layers=4, hidden=256, intermediate=768, seq_len=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per FSDP rank (global batch: 2x)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    p.add_argument("--reps", type=int, default=4, help="repetitions of each mode (interleaved)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    common.add_repetition_args(p, reps=4)
     opts = p.parse_args(argv)
     device = common.device_type(opts.device, 2)
     print(common.machine_line(device))

@@ -70,15 +70,7 @@ def _run_world(opts, device_type: str) -> dict | None:
     whole = common.random_microbatches([2 * opts.batch], opts.seq_len, vocab, seed=0)  # the global batch
     half = [tuple(t[rank * opts.batch : (rank + 1) * opts.batch] for t in whole[0])]
     batches = {m: half if m == "fsdp" else whole for m in opts.modes}
-    for m, t in trainers.items():  # warm up
-        for _ in range(opts.warmup):
-            t.train_step(batches[m])
-    times = {m: [] for m in opts.modes}
-    for rep in range(opts.reps):
-        order = opts.modes[rep % len(opts.modes) :] + opts.modes[: rep % len(opts.modes)]
-        for m in order:
-            step = lambda t=trainers[m], mbs=batches[m]: t.train_step(mbs)
-            times[m].append(common.time_steps(step, opts.steps, device))
+    times = common.time_modes(trainers, batches, opts, device)
     counts = {m: _collectives(trainers[m], whole[0]) for m in opts.modes if m != "fsdp"}
     return dict(times=times, counts=counts, device=str(device), dtype=dtype) if rank == 0 else None
 
@@ -110,9 +102,7 @@ def main(argv=None) -> None:
     common.add_common_args(p, layers=2, hidden=256, intermediate=768, seq_len=256)
     p.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank (global batch: 2x)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    p.add_argument("--reps", type=int, default=6, help="repetitions of each mode (interleaved)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    common.add_repetition_args(p, reps=6)
     opts = p.parse_args(argv)
     device = common.device_type(opts.device, 2)
     print(common.machine_line(device))

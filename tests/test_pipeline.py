@@ -28,21 +28,40 @@ def _argv(folder, *extra):
 
 
 def _run(cases):
-    """cases: (name, dump folder, extra argv); per name the logged losses, gradient norms and validation losses."""
+    """cases: (name, dump folder, extra argv); per name the logged losses, gradient norms and validation losses, the
+    pipeline schedule run (None without pp), this rank's parameter tensors and its all-reduce calls (FSDP's across
+    replicas among them)."""
+    import torch.distributed as dist
+
     out = {}
     for name, folder, extra in cases:
         trainer = make_trainer(_argv(folder, *extra))
-        norms = {}
-        step = trainer.train_step
+        norms, calls = {}, [0]
+        step, all_reduce = trainer.train_step, dist.all_reduce
 
         def recorded(*a, _step=step, _trainer=trainer, _norms=norms, **k):
             result = _step(*a, **k)
             _norms[_trainer.step] = result.grad_norm.item()
             return result
 
-        trainer.train_step = recorded
-        losses = trainer.train()
-        out[name] = {"loss": losses, "norm": norms, "val": dict(trainer.val_losses)}
+        def counted(*a, _calls=calls, _all_reduce=all_reduce, **k):
+            _calls[0] += 1
+            return _all_reduce(*a, **k)
+
+        trainer.train_step, dist.all_reduce = recorded, counted
+        try:
+            losses = trainer.train()
+        finally:
+            dist.all_reduce = all_reduce
+        out[name] = {
+            "loss": losses,
+            "norm": norms,
+            "val": dict(trainer.val_losses),
+            "schedule": trainer.pipeline.schedule_name if trainer.pipeline else None,
+            "params": len(list(trainer.model.parameters())),
+            "all_reduces": calls[0],
+            "group_keys": sorted(trainer.optimizer.param_groups[0]),
+        }
     return out
 
 
@@ -63,7 +82,8 @@ def _drop_after(folder, step: int):
 def test_pipeline_matches_one_process(tmp_path):
     one, pp_fsdp = tmp_path / "one", tmp_path / "pp_fsdp"
     BLOCK = ("--model.attention", "block_causal")  # document starts travel to every stage
-    refs = run_distributed(_run, 1, [("one", one, (*VALIDATE, *CKPT)), ("docs", tmp_path / "docs", BLOCK)])[0]
+    HF = ("--checkpoint.last_save_in_hf",)
+    refs = run_distributed(_run, 1, [("one", one, (*VALIDATE, *CKPT, *HF)), ("docs", tmp_path / "docs", BLOCK)])[0]
     ref = refs["one"]
     assert ref["val"] and all(v > 0 for v in ref["val"].values())
 
@@ -72,9 +92,9 @@ def test_pipeline_matches_one_process(tmp_path):
         2,
         [
             ("GPipe", tmp_path / "g", _pp("GPipe")),
-            ("1F1B", tmp_path / "f", (*_pp("1F1B"), *VALIDATE, *CKPT)),
+            ("1F1B", tmp_path / "f", (*_pp("1F1B"), *VALIDATE, *CKPT, *HF)),
             ("Interleaved1F1B", tmp_path / "i", _pp("Interleaved1F1B")),
-            ("ZBVZeroBubble", tmp_path / "z", _pp("ZBVZeroBubble")),
+            ("ZBVZeroBubble", tmp_path / "z", (*_pp("ZBVZeroBubble"), *VALIDATE)),
             ("block_causal", tmp_path / "b", (*_pp("1F1B"), *BLOCK)),
             ("ZBV_full_ac", tmp_path / "za", (*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode", "full")),
             (
@@ -106,9 +126,22 @@ def test_pipeline_matches_one_process(tmp_path):
     )[-1]  # the last stage's rank logs what rank 0 logs; its norms are the global ones too
     for name, got in two.items():
         _same(got, refs["docs"] if name == "block_causal" else ref, name)
+        assert got["schedule"] in name or name in ("block_causal", "fewer", "op_ac_compiled"), name
+        assert got["schedule"] and got["params"] < ref["params"], name  # pipelined: this rank holds some stages
     assert abs(refs["docs"]["loss"][2] - ref["loss"][2]) > 1e-4  # the documents do change the loss
-    assert two["1F1B"]["val"].keys() == ref["val"].keys()
-    assert all(abs(two["1F1B"]["val"][s] - v) < 1e-5 for s, v in ref["val"].items())
+    for name in ("1F1B", "ZBVZeroBubble"):  # ZBV: rank 0 holds the first stage and the last
+        assert two[name]["val"].keys() == ref["val"].keys()
+        assert all(abs(two[name]["val"][s] - v) < 1e-5 for s, v in ref["val"].items()), name
+
+    # Each stage's ranks write their parameters of the HuggingFace export: the whole model, one process's weights
+    from safetensors.torch import load_file
+
+    exports = [
+        {k: v for f in (folder / "checkpoint" / "hf-step-10").glob("*.safetensors") for k, v in load_file(f).items()}
+        for folder in (one, tmp_path / "f")
+    ]
+    assert exports[0].keys() == exports[1].keys() and len(exports[0]) > 50
+    assert all((exports[0][k] - exports[1][k]).abs().max() < 1e-5 for k in exports[0])
 
     # Exact resume at PP(2): steps 6-10 from the step-5 checkpoint are the uninterrupted run's, bit for bit.
     f = tmp_path / "f"
@@ -133,20 +166,34 @@ def test_pipeline_matches_one_process(tmp_path):
         ),  # fmt: skip
         ("from_one", one, (*_pp("1F1B"), *CKPT)),  # resumes the one-process run's step-5 checkpoint at PP(2) x FSDP(2)
     ]
+    four_cases.append(("hsdp_every", tmp_path / "e", four_cases[2][2][:-1] + ("every_microbatch",)))
+    INIT = ("--checkpoint.initial_load_path", str(one / "checkpoint" / "step-5"))  # a new run from its weights
     _drop_after(one, 5)
-    resumed = run_distributed(_run, 2, [("resumed", f, (*_pp("1F1B"), *VALIDATE, *CKPT))])[-1]["resumed"]
+    again = run_distributed(
+        _run, 2, [("resumed", f, (*_pp("1F1B"), *VALIDATE, *CKPT)), ("init", tmp_path / "n", (*_pp("1F1B"), *INIT))]
+    )[-1]
+    resumed = again["resumed"]
+    assert min(resumed["loss"]) == 6  # it did resume
     for s in range(6, 11):
         assert resumed["loss"][s] == two["1F1B"]["loss"][s] and resumed["norm"][s] == two["1F1B"]["norm"][s], s
+    assert resumed["group_keys"] == two["1F1B"]["group_keys"]  # every rank's optimizer settings survive a resume
 
     four = run_distributed(_run, 4, four_cases)[-1]
-    for name in ("fsdp", "tp", "hsdp_delayed"):
+    for name in ("fsdp", "tp", "hsdp_delayed", "hsdp_every"):
         _same(four[name], ref, name)
+        assert four[name]["schedule"], name
+    assert min(four["from_one"]["loss"]) == 6
     _same(four["from_one"], ref, "one process -> PP(2) x FSDP(2)", steps=range(6, 11))
+    # the delayed all-reduce skips FSDP's all-reduces across the replicas on the first of 2 accumulation microbatches
+    assert four["hsdp_delayed"]["all_reduces"] < four["hsdp_every"]["all_reduces"]
 
-    # PP(2) x FSDP(2)'s step-5 checkpoint, resumed in one process
+    # PP(2) x FSDP(2)'s step-5 checkpoint, resumed in one process; a one-process run from the same initial weights
     _drop_after(pp_fsdp, 5)
-    back = run_distributed(_run, 1, [("back", pp_fsdp, ())])[0]["back"]
-    _same(back, four["fsdp"], "PP(2) x FSDP(2) -> one process", steps=range(6, 11))
+    last = run_distributed(_run, 1, [("back", pp_fsdp, CKPT), ("init", tmp_path / "n1", INIT)])[0]
+    assert min(last["back"]["loss"]) == 6
+    _same(last["back"], four["fsdp"], "PP(2) x FSDP(2) -> one process", steps=range(6, 11))
+    _same(again["init"], last["init"], "initial weights at PP(2)")
+    assert abs(last["init"]["loss"][1] - ref["loss"][1]) > 0.1  # they are the trained weights, not a fresh init
 
     # generate runs without pp: a PP(2) x FSDP(2) run's checkpoint (the one-process resume's step 10), as one model
     def generate(*extra):
@@ -208,5 +255,4 @@ def test_dims_put_pp_outermost():
     assert (d.pp, d.dp_shard, d.tp, d.dp_degree) == (2, 2, 2, 2)
     assert d.mesh_dim_names == ("pp", "dp_shard", "tp") and d.mesh_shape == (2, 2, 2)
     assert [d.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # both stages of a dp rank read its batch
-    assert [d.pp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert d.describe() == "PP: pipeline_parallel_size=2; FSDP: shard_size=2"

@@ -33,7 +33,6 @@ class RankMemory:
 
     pp_rank: int
     stages: list[int]
-    blocks: list[int]
     params: int
     grads: int
     optimizer: int
@@ -75,7 +74,7 @@ def _built_rank(cfg, plan, world_size: int, pp_rank: int) -> dict:
             units=[n for stage in built.stages for n in me.unit_numels(stage)],
             grad_units=[n for stage in built.stages for n in me.unit_numels(stage, trainable_only=True)],
             ac_blocks=built.ac_blocks,
-            setup=describe(built.num_sharded, mesh, dims, cfg.parallelism),
+            setup=describe(built.num_sharded, mesh, dims, cfg.parallelism, len(built.stages)),
         )
     finally:
         dist.destroy_process_group()
@@ -113,7 +112,7 @@ def rank_memory(cfg, plan, world_size: int, pp_rank: int, split: list[range], bu
             sequence_parallel=p.enable_sequence_parallel, loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
         )  # fmt: skip
         activations += parts["final norm"] + parts["loss or recompute"]
-    return RankMemory(pp_rank, ids, blocks, state.params, state.grads, state.optimizer, gathered, int(activations),
+    return RankMemory(pp_rank, ids, state.params, state.grads, state.optimizer, gathered, int(activations),
                       flight, [len(b) for b in split], setup)  # fmt: skip
 
 

@@ -129,7 +129,8 @@ class Trainer:
                 cfg.training.local_batch_size, self.pp_mesh, self.device,
             )  # fmt: skip
             logger.info(self.pipeline.describe(built.stage_blocks, built.stage_ids))
-        for line in describe(self.num_sharded, self.mesh, self.dims, cfg.parallelism) + startup_lines(
+        roots = len(built.stages) if built.stages else 1
+        for line in describe(self.num_sharded, self.mesh, self.dims, cfg.parallelism, roots) + startup_lines(
             self.model, self.model_args, self.dims, cfg
         ):
             logger.info(line)
@@ -209,7 +210,8 @@ class Trainer:
             last = i == len(microbatches) - 1
             with microbatch_sync(self.fsdp_roots, last, self.gradient_sync), loss_parallel_context(self.loss_parallel):
                 if self.pipeline is not None:  # every stage's forward and backward, by the schedule
-                    token_loss_sum = self.pipeline.step(mb, self.device, scale, block_causal)
+                    all_reduce = last or self.gradient_sync != "delay_all_reduce"
+                    token_loss_sum = self.pipeline.step(mb, self.device, scale, block_causal, all_reduce)
                 else:
                     token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
                     (token_loss_sum * scale + self.balance.aux_term()).backward()

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -31,6 +32,17 @@ def saved_shapes(metadata, prefix: str) -> dict[str, tuple | None]:
 def model_prefix(metadata) -> str:
     """ "model." for a titanlite checkpoint (top-level parts), "" for a plain model state dict."""
     return "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
+
+
+def model_shapes(model_sd: dict, every_rank: bool = False) -> dict[str, tuple]:
+    """Each tensor's full shape, by name; every_rank: those of every rank's model together (a collective: the ranks
+    of a pipeline-parallel job each hold some stages of the model)."""
+    mine = {k: tuple(v.shape) for k, v in model_sd.items()}
+    if not every_rank:
+        return mine
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def check_model_fits(model_sd: dict, saved: dict[str, tuple | None], source: str, hint: str | None = None) -> None:

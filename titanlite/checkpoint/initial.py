@@ -16,6 +16,7 @@ from titanlite.checkpoint.consolidated import (
     check_model_fits,
     load_consolidated,
     model_prefix,
+    model_shapes,
     saved_shapes,
     unreadable,
 )
@@ -42,7 +43,9 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
             ) from None
         model_sd = _base_state(model)
         prefix = model_prefix(metadata)
-        check_model_fits(model_sd, saved_shapes(metadata, prefix), str(path), _hint(metadata, prefix))
+        check_model_fits(
+            _every_stage(model, model_sd), saved_shapes(metadata, prefix), str(path), _hint(metadata, prefix)
+        )
         try:
             safe_dcp_load({"model": model_sd} if prefix else model_sd, path)
         except CheckpointException as e:
@@ -51,7 +54,7 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
     else:
         model_sd = _base_state(model)
         full = load_consolidated(path)
-        check_model_fits(model_sd, {k: tuple(v.shape) for k, v in full.items()}, str(path))
+        check_model_fits(_every_stage(model, model_sd), {k: tuple(v.shape) for k, v in full.items()}, str(path))
         # Every rank maps the file and keeps its own shard of each tensor.
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
     logger.info(
@@ -62,6 +65,11 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
 def _base_state(model: torch.nn.Module) -> dict:
     """The model's state dict without LoRA adapters (a base holds none; they start new or from their own folder)."""
     return {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
+
+
+def _every_stage(model: torch.nn.Module, model_sd: dict) -> dict[str, tuple]:
+    """The shapes the whole model has (a pipeline rank's model holds its stages only)."""
+    return model_shapes(model_sd, getattr(model, "pipeline_part", False))
 
 
 def _hint(metadata, prefix: str) -> str | None:

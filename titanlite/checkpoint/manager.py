@@ -40,7 +40,7 @@ from titanlite.checkpoint.catalog import (
     read_metadata,
     wanted_parts,
 )
-from titanlite.checkpoint.consolidated import check_model_fits, saved_shapes
+from titanlite.checkpoint.consolidated import check_model_fits, model_shapes, saved_shapes
 from titanlite.checkpoint.data_identity import FILE as DATA_IDENTITY
 from titanlite.checkpoint.data_identity import check_unchanged
 from titanlite.checkpoint.data_identity import write as write_data_identity
@@ -167,7 +167,7 @@ class CheckpointManager:
         if "model" in self.wanted:
             check_model_matches(info.path, self.model.args)
             check_model_fits(
-                self.parts["model"].shapes(self.job_cfg.parallelism.pipeline_parallel_degree > 1),
+                model_shapes(self.parts["model"].state_dict(), getattr(self.model, "pipeline_part", False)),
                 saved_shapes(read_metadata(info.path), "model."),
                 str(info.path),
                 "; was it saved with another lora.rank or lora.targets?" if self.lora else None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,16 +28,6 @@ class ModelPart(Stateful):
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, trainable_only: bool = False):
         self.model, self.dtype = model, dtype
         self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
-
-    def shapes(self, every_rank: bool = False) -> dict[str, tuple]:
-        """Each parameter's full shape, by name; every_rank: those of every rank's model together (pipeline stages
-        each hold a part of the model; a collective)."""
-        mine = {k: tuple(v.shape) for k, v in self.state_dict().items()}
-        if not every_rank:
-            return mine
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        return {k: v for part in parts for k, v in part.items()}
 
     def state_dict(self) -> dict:
         sd = get_model_state_dict(self.model, options=self.options)
@@ -65,8 +54,13 @@ class OptimizerPart(Stateful):
 
     def load_state_dict(self, state_dict: dict) -> None:
         lrs = [group["lr"] for group in self.optimizer.param_groups]  # the schedule's (SchedulerPart), not saved ones
+        # DCP keeps one rank's param groups: under pipeline parallelism they name one stage's parameters, and the
+        # other ranks' groups come back holding nothing but their parameters (no fused, foreach, initial_lr...).
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+        for group, lr, before in zip(self.optimizer.param_groups, lrs, settings):
+            for key, value in before.items():
+                group.setdefault(key, value)
             group.update(self.hyper, lr=lr)
 
 

@@ -19,8 +19,8 @@ from titanlite.loss import summed_cross_entropy
 class AbsentBlock(nn.Module):
     """A block that another pipeline stage holds: no parameters; the block indices of the rest stay the same."""
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return x
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this block is held by another pipeline stage: run the model through its stages")
 
 
 class StageModule(nn.Module):
@@ -36,7 +36,6 @@ class StageModule(nn.Module):
         self, model: nn.Module, blocks: range, first: bool, last: bool, loss_fn=summed_cross_entropy, split=False
     ):
         super().__init__()
-        self.blocks = blocks
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in blocks})
         self.norm = model.norm if last else None
@@ -71,7 +70,9 @@ class StageModule(nn.Module):
 
 def keep_only(model: nn.Module, blocks: set[int], first: bool, last: bool) -> None:
     """Drop from `model` the blocks not in `blocks`, the embedding unless `first`, the norm and output projection
-    unless `last` (before it is materialised: what is dropped is never allocated)."""
+    unless `last` (before it is materialised: what is dropped is never allocated); the model is then marked
+    `pipeline_part` (its state dict holds some of the model's names)."""
+    model.pipeline_part = True
     for i in range(len(model.layers)):
         if i not in blocks:
             model.layers[i] = AbsentBlock()

@@ -105,10 +105,6 @@ class ParallelDims:
         outermost: the stages of one data-parallel rank read the same batches)."""
         return rank % (self.world_size // self.pp) // (self.tp * self.cp)
 
-    def pp_rank(self, rank: int) -> int:
-        """The pipeline rank of a global rank (0 without pipeline parallelism)."""
-        return rank // (self.world_size // self.pp)
-
     @property
     def hsdp(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard > 1

@@ -64,12 +64,13 @@ def apply_fsdp(
     return len(groups) + len(experts)
 
 
-def describe(num_groups: int, mesh: DeviceMesh, dims, parallelism=None) -> list[str]:
-    """The start-up log lines about the sharding (num_groups as returned by apply_fsdp; parallelism: the config
-    section, for the TP line)."""
+def describe(num_groups: int, mesh: DeviceMesh, dims, parallelism=None, roots: int = 1) -> list[str]:
+    """The start-up log lines about the sharding (num_groups as returned by apply_fsdp, summed over the roots: this
+    rank's pipeline stages, or the model; parallelism: the config section, for the TP line)."""
+    root = "root" if roots == 1 else f"{roots} stage roots"
     lines = [
         dims.describe(),
-        f"Sharded {num_groups} modules + root on mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}",
+        f"Sharded {num_groups} modules + {root} on mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}",
     ]
     if parallelism is not None and (
         tp := dims.describe_tp(parallelism.enable_sequence_parallel, parallelism.enable_loss_parallel)

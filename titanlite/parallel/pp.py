@@ -11,6 +11,7 @@ are those of one process.
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -159,6 +160,16 @@ def pipeline_problem(cfg, dims, args) -> str | None:
             f"parallelism.pipeline_parallel_microbatches = {m} does not divide training.local_batch_size = "
             f"{t.local_batch_size}; valid: -1 or {', '.join(map(str, valid))}"
         )
+    rounds = max(1, m // dims.pp)
+    if schedule == "Interleaved1F1B" and m % rounds:  # torch runs it in rounds of equal size
+        valid = [d for d in range(dims.pp, t.local_batch_size + 1) if t.local_batch_size % d == 0 and not
+                 d % max(1, d // dims.pp)]  # fmt: skip
+        return (
+            f"parallelism.pipeline_parallel_microbatches = {m} does not split into Interleaved1F1B's rounds at "
+            f"pipeline_parallel_degree {dims.pp} (it must be a multiple of max(1, microbatches // pp) = {rounds}); "
+            + (f"valid for training.local_batch_size = {t.local_batch_size}: {', '.join(map(str, valid))}" if valid
+               else f"use a training.local_batch_size that is a multiple of {dims.pp}")
+        )  # fmt: skip
     if schedule != "GPipe" and m < dims.pp:
         return (
             f"parallelism.pipeline_parallel_microbatches = {m} is too few for {schedule} at "
@@ -179,6 +190,29 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, per_rank: int) 
     return (pp - 1) / (per_rank * n_microbatches + pp - 1)
 
 
+class _Stage(PipelineStage):
+    """torch's PipelineStage, whose gradient reduction after a local batch keeps the delayed all-reduce: torch's
+    turns FSDP's gradient sync on, which also turns the all-reduce across replicas back on."""
+
+    all_reduce = True  # False before the last accumulation microbatch (parallelism.gradient_sync = delay_all_reduce)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        root = self.submod
+        if self.all_reduce or not isinstance(root, FSDPModule):
+            return super().perform_reduce_grad(grad_scale_factor)
+        turn_on = root.set_requires_gradient_sync
+
+        def sync_without_all_reduce(requires: bool, *, recurse: bool = True) -> None:
+            turn_on(requires, recurse=recurse)
+            root.set_requires_all_reduce(False, recurse=recurse)
+
+        root.set_requires_gradient_sync = sync_without_all_reduce
+        try:
+            super().perform_reduce_grad(grad_scale_factor)
+        finally:
+            del root.set_requires_gradient_sync
+
+
 class Pipeline:
     """This rank's pipeline stages and their schedule: one step() per local batch, forward and backward of every
     pipeline microbatch through all stages."""
@@ -186,12 +220,8 @@ class Pipeline:
     def __init__(self, stage_modules: list, stage_ids: list[int], n_stages: int, parallelism, local_batch_size, mesh,
                  device: torch.device):  # fmt: skip
         group, self.pp = mesh.get_group(), mesh.size()
-        self.stages = [
-            PipelineStage(module, i, n_stages, device, group=group) for module, i in zip(stage_modules, stage_ids)
-        ]
-        self.modules = stage_modules
+        self.stages = [_Stage(module, i, n_stages, device, group=group) for module, i in zip(stage_modules, stage_ids)]
         self.first = 0 in stage_ids
-        self.last = n_stages - 1 in stage_ids
         self.n_microbatches = pipeline_microbatches(parallelism, local_batch_size)
         self.schedule_name = parallelism.pipeline_parallel_schedule
         cls = SCHEDULES[self.schedule_name]
@@ -213,15 +243,22 @@ class Pipeline:
             kwargs["positions"] = microbatch[2].to(device, non_blocking=True)
         self._sums = []
         run(*((inputs,) if self.first else ()), target=labels, return_outputs=False, **kwargs)
-        # the last n: the schedule's first step also calls the loss once to infer the stages' gradient shapes
+        # the last n: the schedule's first step (and the first after a switch between eval and training) also calls
+        # the loss once, to infer the stages' gradient shapes
+        if self._sums and len(self._sums) not in (self.n_microbatches, self.n_microbatches + 1):
+            raise RuntimeError(f"the pipeline schedule computed {len(self._sums)} losses for {self.n_microbatches} "
+                               f"microbatches")  # fmt: skip
         sums = self._sums[-self.n_microbatches :]
         loss = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
         return loss, labels
 
-    def step(self, microbatch, device: torch.device, scale: float, positions: bool) -> torch.Tensor:
+    def step(self, microbatch, device: torch.device, scale: float, positions: bool, all_reduce=True) -> torch.Tensor:
         """Forward and backward of one local batch (inputs, labels[, positions]); the gradient is that of
-        scale x the summed token loss. Returns the summed token loss (zero on ranks without the last stage)."""
+        scale x the summed token loss. all_reduce=False: the gradients are not all-reduced across replicas yet
+        (the delayed all-reduce). Returns the summed token loss (zero on ranks without the last stage)."""
         self.scale = scale
+        for stage in self.stages:
+            stage.all_reduce = all_reduce
         return self._run(self.schedule.step, microbatch, device, positions)[0]
 
     @torch.no_grad()
