@@ -96,7 +96,7 @@ def test_pipeline_matches_one_process(tmp_path):
             ("Interleaved1F1B", tmp_path / "i", _pp("Interleaved1F1B")),
             ("ZBVZeroBubble", tmp_path / "z", (*_pp("ZBVZeroBubble"), *VALIDATE)),
             ("block_causal", tmp_path / "b", (*_pp("1F1B"), *BLOCK)),
-            ("ZBV_full_ac", tmp_path / "za", (*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode", "full")),
+            ("ZBVZeroBubble_full_ac", tmp_path / "za", (*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode", "full")),
             (
                 "op_ac_compiled",
                 tmp_path / "c",
@@ -148,7 +148,7 @@ def test_pipeline_matches_one_process(tmp_path):
     _drop_after(f, 5)
     four_cases = [
         ("fsdp", pp_fsdp, (*_pp("1F1B"), *CKPT)),
-        ("tp", tmp_path / "t", (*_pp("Interleaved1F1B"), "--parallelism.tensor_parallel_degree", "2")),
+        ("tp", tmp_path / "t", (*_pp("Interleaved1F1B"), "--parallelism.tensor_parallel_degree", "2", *VALIDATE)),
         (
             "hsdp_delayed",
             tmp_path / "d",
@@ -182,6 +182,7 @@ def test_pipeline_matches_one_process(tmp_path):
     for name in ("fsdp", "tp", "hsdp_delayed", "hsdp_every"):
         _same(four[name], ref, name)
         assert four[name]["schedule"], name
+    assert all(abs(four["tp"]["val"][s] - v) < 1e-5 for s, v in ref["val"].items())  # interleaved stages, TP
     assert min(four["from_one"]["loss"]) == 6
     _same(four["from_one"], ref, "one process -> PP(2) x FSDP(2)", steps=range(6, 11))
     # the delayed all-reduce skips FSDP's all-reduces across the replicas on the first of 2 accumulation microbatches

@@ -111,3 +111,36 @@ def all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
 
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     return gather(x, 0, group)
+
+
+def forward_only_schedule(stages: list, n_microbatches: int, loss_fn, stage_to_rank: dict[int, int]):
+    """A torch pipeline schedule over several stages per rank that runs forwards only (evaluation): each rank its
+    stages in order, every microbatch of one before the next; the last stage computes loss_fn. torch's multi-stage
+    schedules (Interleaved1F1B, ZBVZeroBubble) cannot run forward-only (torch 2.13): this lowers a plan of forwards
+    to torch's runtime actions (FSDP unshards, sends and receives) with torch's own private helpers, as they do
+    (their checks require every backward, so they are not called)."""
+    from torch.distributed.pipelining import schedules as ps
+
+    class ForwardOnly(ps._PipelineScheduleRuntime):
+        def __init__(self):
+            super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            self._has_backward = False
+            self.stage_index_to_group_rank = dict(stage_to_rank)
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+            forward = ps._ComputationType.FORWARD
+            self.pipeline_order = {
+                rank: [
+                    ps._Action(i, forward, mb)
+                    for i in sorted(s for s, r in stage_to_rank.items() if r == rank)
+                    for mb in range(n_microbatches)
+                ]
+                for rank in sorted(set(stage_to_rank.values()))
+            }
+            self.pipeline_order_with_comms = ps._add_send_recv(
+                {rank: ps._add_unshard_reshard(actions) for rank, actions in self.pipeline_order.items()},
+                stage_to_rank=lambda s: self.stage_index_to_group_rank[s],
+                num_stages=self._num_stages,
+            )
+
+    return ForwardOnly()

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from titanlite.compat import forward_only_schedule
 from titanlite.config.parallelism import PIPELINE_SCHEDULES
 
 SCHEDULES = dict(zip(PIPELINE_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)))
@@ -230,6 +231,9 @@ class Pipeline:
         self.schedule = cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
         self.scale = 1.0
         self._sums: list[torch.Tensor] = []
+        self.stage_to_rank = {i: r for r in range(self.pp) for i in rank_stages(r, self.pp, len(stage_ids),
+                                                                                 self.schedule_name)}  # fmt: skip
+        self._evaluation = None  # the forward-only schedule of validation (several stages per rank)
 
     def _loss(self, token_loss_sum: torch.Tensor, target) -> torch.Tensor:
         self._sums.append(token_loss_sum.detach())
@@ -264,7 +268,16 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, microbatch, device: torch.device, positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token loss (zero without the last stage), labels) of one local batch, forward only."""
-        return self._run(self.schedule.eval, microbatch, device, positions)
+        if self.schedule_name in SINGLE_STAGE:
+            return self._run(self.schedule.eval, microbatch, device, positions)
+        if self._evaluation is None:  # its own stages: a schedule's stages hold its buffers and metadata
+            self._evaluation = forward_only_schedule(
+                [_Stage(s.submod, s.stage_index, s.num_stages, device, group=s.group) for s in self.stages],
+                self.n_microbatches,
+                self._loss,
+                self.stage_to_rank,
+            )
+        return self._run(self._evaluation.step, microbatch, device, positions)
 
     def describe(self, blocks: list[range], stage_ids: list[int]) -> str:
         """The start-up line: schedule, microbatches, this rank's stages and the split."""
