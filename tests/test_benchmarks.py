@@ -87,18 +87,20 @@ def test_kv_cache_benchmark_prints_the_ratio():
     assert re.search(r"no KV cache / KV cache total time: [\d.]+ median", out), out
 
 
-def test_gpu_check_runs_every_section_at_a_tiny_size(tmp_path):
-    out = _bench("gpu_check.py", "--tiny", "--out", str(tmp_path))
+def test_gpu_check_runs_its_sections_at_a_tiny_size(tmp_path):
+    # Every section but three that run other scripts, each of which has its own test here: suite (pytest),
+    # attention (benchmarks/attention.py) and generate (benchmarks/kv_cache.py).
+    sections = "env,e2e,flex,compile,bf16,mfu,profile,chunked,float8,moe"
+    out = _bench("gpu_check.py", "--tiny", "--out", str(tmp_path), "--sections", sections)
     report = json.loads((tmp_path / "report.json").read_text())
+    assert sorted(report) == sorted(sections.split(",")), sorted(report)
     assert all("error" not in r for r in report.values()), out[-3000:]
     assert report["e2e"]["resume_exact"] and report["compile"]["max_abs_diff"] < 1e-5
     assert all(r["block_masks_per_forward"] == 1 and r["within_tolerance"] for r in report["flex"]["rows"])
-    assert report["mfu"]["rows"][0]["tokens_per_sec"] > 0 and report["suite"]["counts"]["passed"] == 1
-    assert "CPU: 1 passed, 0 skipped, 0 failed" in (tmp_path / "report.md").read_text()
+    assert report["mfu"]["rows"][0]["tokens_per_sec"] > 0
     assert [r["shape"]["chunk"] for r in report["chunked"]["rows"]] == [16, 0]
     assert all(r["tokens_per_sec"] > 0 for section in ("chunked", "float8", "moe") for r in report[section]["rows"])
     assert report["float8"]["curve"]["steps"] == 6 and report["moe"]["gemm"]["outputs_rel_diff"] < 1e-5
-    assert report["generate"]["speedup"] > 0
     e2e = report["e2e"]
     assert all(e2e[f"deterministic_{d}"]["repeat_exact"] for d in ("true", "false")), e2e
 

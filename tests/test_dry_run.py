@@ -100,9 +100,7 @@ def test_dry_run_405b_3d_per_pipeline_rank(capsys):
                          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")  # fmt: skip
     inter = _pipeline_rows(out)
     assert "16 stages of 7, 8," in out and "bubble 9.9% in theory" in out and inter[0][5] == 11.5
-    code, out, _ = _main(capsys, 512, "--job.config_file", "llama405b_3d",
-                         "--parallelism.pipeline_parallel_schedule", "GPipe")  # fmt: skip
-    assert all(r[4] > 3 * rows[i][4] for i, r in _pipeline_rows(out).items())  # GPipe holds all 32 microbatches
+    assert inter[0][4] > rows[0][4]  # interleaving holds more activations in flight (in stage chunks)
 
 
 def test_dry_run_catches_the_runs_config_errors(capsys):

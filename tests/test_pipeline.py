@@ -36,8 +36,18 @@ def _run(cases):
     out = {}
     for name, folder, extra in cases:
         trainer = make_trainer(_argv(folder, *extra))
-        norms, calls = {}, [0]
+        norms, calls, by_call = {}, [0], {True: [], False: []}
         step, all_reduce = trainer.train_step, dist.all_reduce
+        if trainer.pipeline is not None:  # the all-reduces of each pipeline pass, by whether it all-reduces replicas
+            pass_step = trainer.pipeline.step
+
+            def counted_pass(*a, _step=pass_step, _calls=calls, _by=by_call, **k):
+                before = _calls[0]
+                loss = _step(*a, **k)
+                _by[a[4] if len(a) > 4 else k.get("all_reduce", True)].append(_calls[0] - before)
+                return loss
+
+            trainer.pipeline.step = counted_pass
 
         def recorded(*a, _step=step, _trainer=trainer, _norms=norms, **k):
             result = _step(*a, **k)
@@ -59,7 +69,7 @@ def _run(cases):
             "val": dict(trainer.val_losses),
             "schedule": trainer.pipeline.schedule_name if trainer.pipeline else None,
             "params": len(list(trainer.model.parameters())),
-            "all_reduces": calls[0],
+            "all_reduces": by_call,
             "group_keys": sorted(trainer.optimizer.param_groups[0]),
         }
     return out
@@ -97,36 +107,31 @@ def test_pipeline_matches_one_process(tmp_path):
             ("ZBVZeroBubble", tmp_path / "z", (*_pp("ZBVZeroBubble"), *VALIDATE)),
             ("block_causal", tmp_path / "b", (*_pp("1F1B"), *BLOCK)),
             ("ZBVZeroBubble_full_ac", tmp_path / "za", (*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode", "full")),
+            # 2 pipeline microbatches of 2 sequences, 3 stages per rank (6 stages of 1 block), op AC, compile
             (
                 "op_ac_compiled",
                 tmp_path / "c",
                 (
                     *_pp("Interleaved1F1B"),
-                    "--activation_checkpoint.mode",
-                    "selective",
-                    "--compile.enable",
-                    "true",
-                    "--compile.backend",
-                    "aot_eager",
-                ),
-            ),
-            # 2 pipeline microbatches of 2 sequences; 3 stages per rank (6 of 1 block each)
-            (
-                "fewer",
-                tmp_path / "m",
-                _pp(
-                    "Interleaved1F1B",
                     "--parallelism.pipeline_parallel_microbatches",
                     "2",
                     "--parallelism.pipeline_parallel_stages_per_rank",
                     "3",
+                    "--activation_checkpoint.mode",
+                    "selective",
+                    "--activation_checkpoint.selective_ac_option",
+                    "op",
+                    "--compile.enable",
+                    "true",
+                    "--compile.backend",
+                    "aot_eager",
                 ),
             ),  # fmt: skip
         ],
     )[-1]  # the last stage's rank logs what rank 0 logs; its norms are the global ones too
     for name, got in two.items():
         _same(got, refs["docs"] if name == "block_causal" else ref, name)
-        assert got["schedule"] in name or name in ("block_causal", "fewer", "op_ac_compiled"), name
+        assert got["schedule"] in name or name in ("block_causal", "op_ac_compiled"), name
         assert got["schedule"] and got["params"] < ref["params"], name  # pipelined: this rank holds some stages
     assert abs(refs["docs"]["loss"][2] - ref["loss"][2]) > 1e-4  # the documents do change the loss
     for name in ("1F1B", "ZBVZeroBubble"):  # ZBV: rank 0 holds the first stage and the last
@@ -166,7 +171,6 @@ def test_pipeline_matches_one_process(tmp_path):
         ),  # fmt: skip
         ("from_one", one, (*_pp("1F1B"), *CKPT)),  # resumes the one-process run's step-5 checkpoint at PP(2) x FSDP(2)
     ]
-    four_cases.append(("hsdp_every", tmp_path / "e", four_cases[2][2][:-1] + ("every_microbatch",)))
     INIT = ("--checkpoint.initial_load_path", str(one / "checkpoint" / "step-5"))  # a new run from its weights
     _drop_after(one, 5)
     again = run_distributed(
@@ -179,14 +183,15 @@ def test_pipeline_matches_one_process(tmp_path):
     assert resumed["group_keys"] == two["1F1B"]["group_keys"]  # every rank's optimizer settings survive a resume
 
     four = run_distributed(_run, 4, four_cases)[-1]
-    for name in ("fsdp", "tp", "hsdp_delayed", "hsdp_every"):
+    for name in ("fsdp", "tp", "hsdp_delayed"):
         _same(four[name], ref, name)
         assert four[name]["schedule"], name
     assert all(abs(four["tp"]["val"][s] - v) < 1e-5 for s, v in ref["val"].items())  # interleaved stages, TP
     assert min(four["from_one"]["loss"]) == 6
     _same(four["from_one"], ref, "one process -> PP(2) x FSDP(2)", steps=range(6, 11))
-    # the delayed all-reduce skips FSDP's all-reduces across the replicas on the first of 2 accumulation microbatches
-    assert four["hsdp_delayed"]["all_reduces"] < four["hsdp_every"]["all_reduces"]
+    # the delayed all-reduce: FSDP all-reduces across the replicas on the last of 2 accumulation microbatches only
+    delayed = four["hsdp_delayed"]["all_reduces"]
+    assert len(delayed[False]) == len(delayed[True]) == 10 and set(delayed[False]) == {0} and min(delayed[True]) > 0
 
     # PP(2) x FSDP(2)'s step-5 checkpoint, resumed in one process; a one-process run from the same initial weights
     _drop_after(pp_fsdp, 5)
@@ -202,9 +207,8 @@ def test_pipeline_matches_one_process(tmp_path):
                           str(pp_fsdp / "checkpoint"), "--prompt", "The", "--max-new-tokens", "8", "--temperature",
                           "0", *extra)  # fmt: skip
 
-    plain, with_pp = generate(), generate(*_pp("1F1B"))
-    assert plain.returncode == 0 and with_pp.returncode == 0, with_pp.stderr[-2000:]
-    assert with_pp.stdout == plain.stdout and plain.stdout.startswith("The")
+    with_pp = generate(*_pp("1F1B"))
+    assert with_pp.returncode == 0 and with_pp.stdout.startswith("The"), with_pp.stderr[-2000:]
     assert "pipeline_parallel_degree = 2 is a training setting: generation runs without it" in with_pp.stderr
 
 
@@ -243,6 +247,14 @@ def test_stage_placement_and_bubble():
     assert bubble_fraction("Interleaved1F1B", 8, 8, 2) == pytest.approx(7 / 23)
     assert bubble_fraction("ZBVZeroBubble", 4, 8, 2) == 0.0
     assert bubble_fraction("1F1B", 1, 8, 1) == 0.0
+    from titanlite.pipeline_sizing import in_flight
+
+    assert [in_flight("GPipe", 8, 0, 32, 1), in_flight("1F1B", 8, 3, 32, 1), in_flight("1F1B", 8, 3, 2, 1)] == [
+        32,
+        5,
+        2,
+    ]
+    assert in_flight("Interleaved1F1B", 8, 0, 32, 2) == 11.5 and in_flight("ZBVZeroBubble", 8, 5, 32, 2) == 8
 
 
 def test_dims_put_pp_outermost():

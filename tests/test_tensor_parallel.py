@@ -71,11 +71,14 @@ def _train_tp(tmp, runs):
     return out
 
 
-def _variants(extra=()):
+def _variants(extra=(), layouts=True):
+    """The configurations of one variant by world size; layouts=False leaves out those that only vary the data
+    parallelism or the loss's chunks around TP (the causal variant runs them: they do not depend on the attention or
+    the family)."""
     replicate = ("--parallelism.data_parallel_replicate_degree", "2")
     delay = ("--parallelism.hsdp_delay_all_reduce",)
     no_sp_lp = ("--parallelism.enable_sequence_parallel", "false", "--parallelism.enable_loss_parallel", "false")
-    return {
+    runs = {
         1: [("single", ["--training.local_batch_size", "8", *extra])],
         2: [
             ("tp2", ["--training.local_batch_size", "8", *TP2, *extra]),  # the loss in chunks over the vocab split
@@ -93,6 +96,10 @@ def _variants(extra=()):
             ("fsdp2_tp2_no_sp_no_lp", ["--training.local_batch_size", "4", *TP2, *no_sp_lp, *extra]),
         ],
     }
+    if not layouts:
+        kept = {"single", "tp2", "tp2_whole_loss", "fsdp2_tp2", "fsdp2_tp2_no_sp_no_lp"}
+        runs = {world: [r for r in rs if r[0] in kept] for world, rs in runs.items()}
+    return runs
 
 
 def _assert_same(results, ref_name="single"):
@@ -114,11 +121,12 @@ VARIANTS = {
 
 @pytest.mark.slow
 def test_same_weights_and_losses_at_every_tp_topology(tmp_path):
-    """Causal, block-causal and tied Qwen3, each against its own one-process run; one spawned world per size runs
-    every variant's configurations."""
+    """Causal (every layout), block-causal and tied Qwen3 (TP with and without sequence and loss parallelism, the
+    loss whole and in chunks), each against its own one-process run; one spawned world per size runs every
+    variant's configurations."""
     by_world: dict[int, list] = {}
     for variant, extra in VARIANTS.items():
-        for world, runs in _variants(extra).items():
+        for world, runs in _variants(extra, layouts=variant == "causal").items():
             by_world.setdefault(world, []).extend((f"{variant}/{name}", argv) for name, argv in runs)
     results = {}
     for world, runs in by_world.items():

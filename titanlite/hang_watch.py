@@ -5,9 +5,10 @@ writes that phase, with when it began, to `<dump_folder>/.progress/rank-N.json` 
 itself at most once a second, so that a rank's last phase is on file when it freezes).
 When a rank has been in one phase for longer than `training.hang_timeout_seconds`, it reads every rank's file
 and reports which ranks stopped answering (their file is no longer refreshed: a stopped, frozen or lost process)
-and what each was doing, records the report for the launcher (exit_status) and ends the process with status 1;
-torchrun then ends the other ranks. A rank blocked inside a collective keeps refreshing its file, so the one that
-froze is the one whose file went stale.
+and what each was doing, records the report for the launcher (exit_status), kills the silent ranks that are its
+own launcher's workers (a frozen one never answers torchrun's SIGTERM, which waits 30 s before killing it) and
+ends the process with status 1; torchrun then ends the other ranks. A rank blocked inside a collective keeps
+refreshing its file, so the one that froze is the one whose file went stale.
 
 The timeout must exceed the longest step, save or validation of the job; the process group's own timeout is set
 above it (distributed.init_distributed), so the report comes before a bare collective timeout.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -45,6 +47,7 @@ class HangWatch:
         self.refresh = max(0.5, min(10.0, timeout_s / 6))  # a file older than 3 refreshes: the rank stopped
         self._phase, self._since = "starting", time.time()
         self._watching, self._published = False, 0.0
+        self._frozen: dict[int, int] = {}  # rank -> pid of this launcher's workers found silent by report()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="titanlite-hang-watch", daemon=True)
 
@@ -110,6 +113,8 @@ class HangWatch:
             where = f"rank {rank} ({r['host']}, pid {r['pid']}): '{r['phase']}' for {now - r['since']:.0f} s"
             if now - r["updated"] > 3 * self.refresh:
                 silent.append(f"{where}, silent for {now - r['updated']:.0f} s")
+                if r["host"] == socket.gethostname() and _parent(r["pid"]) == os.getppid():
+                    self._frozen[rank] = r["pid"]
             else:
                 waiting.append(where)
         lines = [
@@ -118,6 +123,11 @@ class HangWatch:
         ]
         if silent:
             lines.append("stopped answering (stopped, frozen or lost process): " + "; ".join(silent[:8]))
+        if self._frozen:
+            lines.append(
+                f"ended at once: rank(s) {_ranges(sorted(self._frozen))} on this host (a frozen worker does not "
+                f"answer torchrun's SIGTERM: it would wait 30 s before killing it)"
+            )
         if waiting:
             lines.append("still running: " + "; ".join(waiting[:8]) + (" ..." if len(waiting) > 8 else ""))
         if unknown:
@@ -130,8 +140,21 @@ class HangWatch:
     def _end(self, report: str) -> None:
         if not record_failure("hung", report, self.rank):  # else run_train.sh's launcher prints it, once
             logger.error(report)
+        for pid in self._frozen.values():  # this launcher's workers that stopped answering: the job ends anyway
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         logging.shutdown()
         os._exit(1)
+
+
+def _parent(pid: int) -> int | None:
+    """The parent process of pid (Linux's /proc), or None."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _ranges(ranks: list[int]) -> str:
