@@ -44,7 +44,7 @@ def _run(cases):
             def counted_pass(*a, _step=pass_step, _calls=calls, _by=by_call, **k):
                 before = _calls[0]
                 loss = _step(*a, **k)
-                _by[a[4] if len(a) > 4 else k.get("all_reduce", True)].append(_calls[0] - before)
+                _by[k.get("all_reduce", a[2] if len(a) > 2 else True)].append(_calls[0] - before)
                 return loss
 
             trainer.pipeline.step = counted_pass

@@ -122,11 +122,12 @@ class Trainer:
         self.model.init_weights(cfg.training.seed)
         self.pipeline, self.fsdp_roots = None, [self.model]  # with pp: this rank's stages run by their schedule
         self.pp_mesh = pipeline_mesh(self.mesh)
+        self.pp_group = self.pp_mesh.get_group() if self.pp_mesh is not None else None  # the grad norm's
         if built.stages:
             self.fsdp_roots = built.stages
             self.pipeline = Pipeline(
                 built.stages, built.stage_ids, len(built.stage_blocks), cfg.parallelism,
-                cfg.training.local_batch_size, self.pp_mesh, self.device,
+                cfg.training.local_batch_size, self.pp_mesh, self.device, self.model_args.attention == "block_causal",
             )  # fmt: skip
             logger.info(self.pipeline.describe(built.stage_blocks, built.stage_ids))
         roots = len(built.stages) if built.stages else 1
@@ -204,14 +205,13 @@ class Trainer:
         groups = 1 if self.replicas is None else self.replicas.participants  # averaged over the live groups too
         scale = self.dims.dp_degree * self.dims.cp * groups / global_tokens
         loss_sum = torch.zeros((), device=self.device)
-        block_causal = self.model_args.attention == "block_causal"
         for i, mb in enumerate(microbatches):
             self.hang.phase(f"step {self.step}: forward/backward, microbatch {i + 1} of {len(microbatches)}")
             last = i == len(microbatches) - 1
             with microbatch_sync(self.fsdp_roots, last, self.gradient_sync), loss_parallel_context(self.loss_parallel):
                 if self.pipeline is not None:  # every stage's forward and backward, by the schedule
                     all_reduce = last or self.gradient_sync != "delay_all_reduce"
-                    token_loss_sum = self.pipeline.step(mb, self.device, scale, block_causal, all_reduce)
+                    token_loss_sum = self.pipeline.step(mb, scale, all_reduce=all_reduce)
                 else:
                     token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
                     (token_loss_sum * scale + self.balance.aux_term()).backward()
@@ -220,8 +220,7 @@ class Trainer:
             self.hang.phase(f"step {self.step}: averaging the gradients over the live replica groups")
             self.replicas.average_gradients(self.model.parameters())
         self.hang.phase(f"step {self.step}: gradient norm, clipping and optimizer step")
-        pp_group = self.pp_mesh.get_group() if self.pp_mesh is not None else None
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm, pp_group)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm, self.pp_group)
         moe = self.balance.step_done()  # aux_free moves its routing bias before the optimizer step
         committed = self.replicas is None or self.replicas.commit()
         if committed:
@@ -354,10 +353,7 @@ class Trainer:
 
     def validate(self) -> float:
         """Loss on the held-out data (the same sequences every time); logged and written to TensorBoard."""
-        loss_of = None
-        if self.pipeline is not None:
-            block_causal = self.model_args.attention == "block_causal"
-            loss_of = lambda mb: self.pipeline.evaluate(mb, self.device, block_causal)  # noqa: E731
+        loss_of = self.pipeline.evaluate if self.pipeline is not None else None
         r = self.validator.evaluate(self.model, self.device, loss_of)
         self.val_losses[self.step] = r.loss
         self.metrics.log_validation(self.step, r.loss, r.perplexity, r.tokens, r.seconds)

@@ -96,21 +96,17 @@ def pipeline_problem(cfg, dims, args) -> str | None:
     if dims.pp == 1:
         return None
     key = f"parallelism.pipeline_parallel_degree = {dims.pp}"
-    for on, what in (
-        (args.moe, "a Mixture-of-Experts model (model.name = " + repr(cfg.model.name) + ")"),
-        (dims.cp > 1, "context parallelism (parallelism.context_parallel_degree > 1)"),
-        (cfg.lora.enable, "LoRA (lora.enable = true)"),
-        (cfg.fault_tolerance.enable, "fault tolerance (fault_tolerance.enable = true)"),
-        (cfg.float8.enable, "float8 training (float8.enable = true)"),
-        (args.tie_embeddings, "tied embeddings (the first and last stages would share a weight)"),
-    ):
+    for on, what, instead in (
+        (args.moe, f"a Mixture-of-Experts model (model.name = {cfg.model.name!r})", ""),
+        (dims.cp > 1, "context parallelism (parallelism.context_parallel_degree > 1)", ""),
+        (cfg.lora.enable, "LoRA (lora.enable = true)", ""),
+        (cfg.fault_tolerance.enable, "fault tolerance (fault_tolerance.enable = true)", ""),
+        (cfg.float8.enable, "float8 training (float8.enable = true)", ""),
+        (args.tie_embeddings, "tied embeddings (the first and last stages would share a weight)",
+         " (or model.tie_embeddings = false for an untied copy)"),
+    ):  # fmt: skip
         if on:
-            return (
-                f"{key} does not work with {what} yet; set pipeline_parallel_degree = 1 (or model.tie_embeddings = "
-                f"false for an untied copy)"
-                if "tied" in what
-                else f"{key} does not work with {what} yet; set pipeline_parallel_degree = 1"
-            )
+            return f"{key} does not work with {what} yet; set pipeline_parallel_degree = 1{instead}"
     schedule, per_rank = p.pipeline_parallel_schedule, stages_per_rank(p)
     if schedule in SINGLE_STAGE and per_rank != 1:
         return (
@@ -216,11 +212,12 @@ class _Stage(PipelineStage):
 
 class Pipeline:
     """This rank's pipeline stages and their schedule: one step() per local batch, forward and backward of every
-    pipeline microbatch through all stages."""
+    pipeline microbatch through all stages. positions: the microbatches' document starts go to every stage
+    (block-causal attention)."""
 
     def __init__(self, stage_modules: list, stage_ids: list[int], n_stages: int, parallelism, local_batch_size, mesh,
-                 device: torch.device):  # fmt: skip
-        group, self.pp = mesh.get_group(), mesh.size()
+                 device: torch.device, positions: bool = False):  # fmt: skip
+        group, self.pp, self.device, self.positions = mesh.get_group(), mesh.size(), device, positions
         self.stages = [_Stage(module, i, n_stages, device, group=group) for module, i in zip(stage_modules, stage_ids)]
         self.first = 0 in stage_ids
         self.n_microbatches = pipeline_microbatches(parallelism, local_batch_size)
@@ -239,11 +236,12 @@ class Pipeline:
         self._sums.append(token_loss_sum.detach())
         return token_loss_sum * self.scale
 
-    def _run(self, run, microbatch, device: torch.device, positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, run, microbatch) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.device
         inputs = microbatch[0].to(device, non_blocking=True)
         labels = microbatch[1].to(device, non_blocking=True)
         kwargs = {"labels": labels}
-        if positions and len(microbatch) > 2:
+        if self.positions and len(microbatch) > 2:
             kwargs["positions"] = microbatch[2].to(device, non_blocking=True)
         self._sums = []
         run(*((inputs,) if self.first else ()), target=labels, return_outputs=False, **kwargs)
@@ -256,28 +254,28 @@ class Pipeline:
         loss = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
         return loss, labels
 
-    def step(self, microbatch, device: torch.device, scale: float, positions: bool, all_reduce=True) -> torch.Tensor:
+    def step(self, microbatch, scale: float, all_reduce: bool = True) -> torch.Tensor:
         """Forward and backward of one local batch (inputs, labels[, positions]); the gradient is that of
         scale x the summed token loss. all_reduce=False: the gradients are not all-reduced across replicas yet
         (the delayed all-reduce). Returns the summed token loss (zero on ranks without the last stage)."""
         self.scale = scale
         for stage in self.stages:
             stage.all_reduce = all_reduce
-        return self._run(self.schedule.step, microbatch, device, positions)[0]
+        return self._run(self.schedule.step, microbatch)[0]
 
     @torch.no_grad()
-    def evaluate(self, microbatch, device: torch.device, positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(self, microbatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token loss (zero without the last stage), labels) of one local batch, forward only."""
         if self.schedule_name in SINGLE_STAGE:
-            return self._run(self.schedule.eval, microbatch, device, positions)
+            return self._run(self.schedule.eval, microbatch)
         if self._evaluation is None:  # its own stages: a schedule's stages hold its buffers and metadata
             self._evaluation = forward_only_schedule(
-                [_Stage(s.submod, s.stage_index, s.num_stages, device, group=s.group) for s in self.stages],
+                [_Stage(s.submod, s.stage_index, s.num_stages, self.device, group=s.group) for s in self.stages],
                 self.n_microbatches,
                 self._loss,
                 self.stage_to_rank,
             )
-        return self._run(self._evaluation.step, microbatch, device, positions)
+        return self._run(self._evaluation.step, microbatch)
 
     def describe(self, blocks: list[range], stage_ids: list[int]) -> str:
         """The start-up line: schedule, microbatches, this rank's stages and the split."""
