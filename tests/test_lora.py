@@ -103,3 +103,44 @@ def test_adapters_are_drawn_by_name_and_base_dtype_casts_only_the_base():
     assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
     assert sorted({n.split(".")[3] for n in dtypes if ".lora_" in n}) == ["w2", "wq"]
+
+
+def test_validation_and_generation_run_without_dropout_and_training_keeps_it(tmp_path):
+    """LoRA dropout 0.3 on adapters that matter: validation and greedy generation give what dropout 0 gives, every
+    time, and training goes on in train mode (issue 41, item 1)."""
+    import torch.distributed as dist
+
+    from titanlite.checkpoint.hf_io import save_hf_sharded
+    from titanlite.data.tokenizers import ByteTokenizer
+    from titanlite.generation import generate
+    from titanlite.models.lora import LoRALinear
+
+    from helpers import make_trainer, tiny_argv
+
+    _, base = _lora_model("llama3")
+    save_hf_sharded(base, tmp_path / "base", torch.float32, ByteTokenizer())
+    argv = tiny_argv(tmp_path / "run", "--lora.enable", "true", "--lora.rank", "4", "--lora.dropout", "0.3",
+                     "--checkpoint.initial_load_path", str(tmp_path / "base"), "--validation.enable", "true",
+                     "--validation.steps", "1", "--model.flavor", "hf")  # fmt: skip
+    try:
+        trainer = make_trainer(argv)
+        model = trainer.model
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_b." in name:
+                    p.normal_(0.0, 0.5)
+        adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+        assert adapters and all(isinstance(m.lora_dropout, torch.nn.Dropout) for m in adapters)
+        prompt = [1, 5, 9, 17, 33]
+        losses = [trainer.validate() for _ in range(3)]
+        tokens = [generate(model, prompt, 8, seed=seed) for seed in (0, 1)]
+        assert model.training and all(m.training for m in model.modules())  # training resumes in train mode
+        x = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+        assert not torch.equal(model(x), model(x))  # dropout is on in training
+        for m in adapters:
+            m.lora_dropout.p = 0.0
+        assert losses == [trainer.validate()] * 3
+        assert tokens == [generate(model, prompt, 8)] * 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

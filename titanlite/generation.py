@@ -33,6 +33,7 @@ from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
+from titanlite.models.eval_mode import eval_mode
 from titanlite.models.hf_config import hf_folder, is_hf_folder, missing_weights_note
 from titanlite.models.kv_cache import KVCache
 from titanlite.models.lora import adapter_names
@@ -84,15 +85,15 @@ def inference_model(
     expert_mesh=None,
 ) -> torch.nn.Module:
     """The model of `cfg` on `device`, sharded over `mesh` for inference (or plain when None; an MoE's experts over
-    expert_mesh, built with ep 1); weights empty. checkpoint: the weights it will load, checked to fit before any
-    memory is allocated."""
+    expert_mesh, built with ep 1) in eval mode; weights empty. checkpoint: the weights it will load, checked to fit
+    before any memory is allocated."""
     args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
     model = build_model(cfg, args, mesh, inference=True, expert_mesh=expert_mesh).model
     if checkpoint is not None:
         check_weights_fit(model, checkpoint)
     model.to_empty(device=device)
     model.init_buffers()
-    return model
+    return model.eval()
 
 
 def check_weights_fit(model: torch.nn.Module, checkpoint: str | Path):
@@ -238,7 +239,12 @@ def generate_timed(
     With the KV cache the prompt is run once (the prefill), then one token per forward; a prompt longer
     than max_seq_len keeps its last max_seq_len tokens, and generation stops (one log line) when the
     sequence would need a position past max_seq_len. Without it every forward sees the whole sequence,
-    cropped to its last max_seq_len tokens, and generation goes on."""
+    cropped to its last max_seq_len tokens, and generation goes on. The model runs in eval mode (no dropout)."""
+    with eval_mode(model):
+        return _generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_ids, kv_cache)
+
+
+def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_ids, kv_cache):
     device = model.rope.device
     max_len = model.args.max_seq_len
     generator = torch.Generator(device=device).manual_seed(seed)

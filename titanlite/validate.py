@@ -13,6 +13,7 @@ from titanlite.config import JobConfig
 from titanlite.data.counted import no_counted_tokens
 from titanlite.errors import ConfigError
 from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss
+from titanlite.models.eval_mode import eval_mode
 
 
 @dataclass
@@ -69,8 +70,13 @@ class Validator:
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, device: torch.device, loss_of=None) -> ValidationResult:
-        """Forward only; sum of token losses / valid tokens, all-reduced over every rank. loss_of(microbatch):
-        (summed token loss, labels) when the model is not called as a whole (pipeline stages: parallel/pp.py)."""
+        """Forward only, in eval mode (no dropout); sum of token losses / valid tokens, all-reduced over every rank.
+        loss_of(microbatch): (summed token loss, labels) when the model is not called as a whole (pipeline stages:
+        parallel/pp.py)."""
+        with eval_mode(model):
+            return self._evaluate(model, device, loss_of)
+
+    def _evaluate(self, model: torch.nn.Module, device: torch.device, loss_of) -> ValidationResult:
         t0 = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, valid tokens
         batches = 0
