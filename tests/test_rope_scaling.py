@@ -120,5 +120,20 @@ def test_scaling_set_for_a_built_in_flavor_and_bad_values():
     assert none.rope_scaling is None
     with pytest.raises(ConfigError, match="model.rope_factor"):
         model_args(load(["--model.rope_scaling", "yarn"]).model, VOCAB, 256)
+    # Qwen's recipe: original context 32,768 (the flavor's 40,960 positions include room for the reply)
+    for name, flavor in (("qwen3", "8B"), ("qwen3_moe", "30B-A3B")):
+        qwen = load(["--model.name", name, "--model.flavor", flavor, "--model.rope_scaling", "yarn",
+                     "--model.rope_factor", "4"])  # fmt: skip
+        assert model_args(qwen.model, VOCAB, 256).rope_scaling.original_max_position_embeddings == 32768
+    unused = [
+        (["--model.rope_factor", "4"], r"model.rope_factor = 4.0 does nothing with model.rope_scaling = ''"),
+        (["--model.rope_scaling", "none", "--model.rope_factor", "4"], "does nothing with model.rope_scaling = 'none'"),
+        (["--model.rope_scaling", "linear", "--model.rope_factor", "2", "--model.rope_original_context", "64"],
+         r"model.rope_original_context = 64 is read by model.rope_scaling = 'yarn' only \(it is 'linear'\)"),
+        (["--model.rope_original_context", "64"], "model.rope_original_context = 64 is read by"),
+    ]  # fmt: skip
+    for argv, message in unused:
+        with pytest.raises(ConfigError, match=message):
+            model_args(load(argv).model, VOCAB, 256)
     with pytest.raises(ConfigError, match="model.rope_scaling"):
         load(["--model.rope_scaling", "ntk"])

@@ -74,13 +74,14 @@ class Model:
     )
     rope_factor: float = setting(
         0.0,
-        "linear, yarn: how many times the pretraining context the model should reach (4.0: 32,768 -> 131,072)",
+        "linear, yarn only: how many times the pretraining context the model should reach (4.0: 32,768 -> 131,072)",
         lambda v: v == 0 or v >= 1,
         "0 (unset) or a number >= 1",
     )
     rope_original_context: int = setting(
         0,
-        "yarn: the context the model was pretrained at; 0 = the flavor's published context length",
+        "yarn only: the context the model was pretrained at; 0 = the flavor's (Qwen3: 32,768 as in Qwen's recipe, "
+        "not its 40,960 positions) or the HF folder's max_position_embeddings",
         non_negative,
         "0 or a number > 0",
     )

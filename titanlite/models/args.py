@@ -55,6 +55,7 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 2048  # positions the RoPE table covers
     context_length: int = 8192  # the release's published context length
+    pretraining_context: int = 0  # the context it was pretrained at, YaRN's original context; 0 = context_length
     tie_embeddings: bool = False
     release: str = ""  # the release of a published flavor (Llama 3, 3.1, 3.2, 3.3; Qwen3)
     attention: str = "causal"  # causal, or block_causal (attend within each document only)

@@ -165,6 +165,7 @@ def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=Non
 def _rope_override(model_cfg, args: ModelArgs) -> ModelArgs:
     """The arguments with [model] rope_scaling applied over the flavor's or the folder's ('' leaves them)."""
     kind = getattr(model_cfg, "rope_scaling", "")
+    _refuse_unused_rope_keys(model_cfg, kind)
     if kind == "":
         return args
     if kind == "none":
@@ -177,7 +178,7 @@ def _rope_override(model_cfg, args: ModelArgs) -> ModelArgs:
     factor = float(model_cfg.rope_factor)
     if kind == "linear":
         return args.with_overrides(rope_scaling=RopeScaling(factor=factor, rope_type="linear"))
-    original = model_cfg.rope_original_context or args.context_length
+    original = model_cfg.rope_original_context or args.pretraining_context or args.context_length
     return args.with_overrides(
         rope_scaling=RopeScaling(
             factor=factor,
@@ -186,3 +187,18 @@ def _rope_override(model_cfg, args: ModelArgs) -> ModelArgs:
             attention_factor=yarn_mscale(factor),
         )
     )
+
+
+def _refuse_unused_rope_keys(model_cfg, kind: str) -> None:
+    """ConfigError for a rope key that the chosen model.rope_scaling would silently ignore."""
+    factor, original = getattr(model_cfg, "rope_factor", 0), getattr(model_cfg, "rope_original_context", 0)
+    if factor and kind in ("", "none"):
+        raise ConfigError(
+            f"model.rope_factor = {factor} does nothing with model.rope_scaling = {kind!r}; set model.rope_scaling "
+            f"= 'yarn' or 'linear' to scale RoPE by it, or leave model.rope_factor at 0"
+        )
+    if original and kind != "yarn":
+        raise ConfigError(
+            f"model.rope_original_context = {original} is read by model.rope_scaling = 'yarn' only (it is "
+            f"{kind!r}); set model.rope_scaling = 'yarn', or leave model.rope_original_context at 0"
+        )

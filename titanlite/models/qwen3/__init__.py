@@ -16,6 +16,7 @@ _QWEN3 = dict(
     rope_theta=1_000_000.0,
     max_seq_len=8192,
     context_length=40960,
+    pretraining_context=32768,  # Qwen's YaRN recipe: original_max_position_embeddings 32768
     release="3",
 )
 

@@ -19,6 +19,7 @@ _QWEN3_MOE = dict(
     rope_theta=1_000_000.0,
     max_seq_len=8192,
     context_length=40960,
+    pretraining_context=32768,  # Qwen's YaRN recipe: original_max_position_embeddings 32768
     n_experts=128,
     top_k=8,
     n_kv_heads=4,
@@ -65,8 +66,7 @@ FAMILY = Family(
     hf=HFArchitecture(
         architecture="Qwen3MoeForCausalLM",
         model_type="qwen3_moe",
-        qk_norm=True,
-        default_head_dim=128,
+        qk_norm=True,  # no default_head_dim: Qwen3MoeConfig has no head_dim field (hidden_size / heads without one)
         check=refuse_unsupported,
         export_extras={
             "use_sliding_window": False,
