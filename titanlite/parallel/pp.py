@@ -167,11 +167,17 @@ def pipeline_problem(cfg, dims, args) -> str | None:
             + (f"valid for training.local_batch_size = {t.local_batch_size}: {', '.join(map(str, valid))}" if valid
                else f"use a training.local_batch_size that is a multiple of {dims.pp}")
         )  # fmt: skip
-    if schedule != "GPipe" and m < dims.pp:
+    if schedule == "1F1B" and m < dims.pp:  # torch's 1F1B refuses it; its multi-stage schedules run it
+        valid = [d for d in range(dims.pp, t.local_batch_size + 1) if t.local_batch_size % d == 0]
+        fix = (
+            f"valid for training.local_batch_size = {t.local_batch_size}: {', '.join(map(str, valid))}"
+            if valid
+            else f"raise training.local_batch_size to a multiple of {dims.pp}"
+        )
         return (
-            f"parallelism.pipeline_parallel_microbatches = {m} is too few for {schedule} at "
-            f"pipeline_parallel_degree {dims.pp}: it needs at least {dims.pp} (one in flight per stage rank); raise "
-            f"training.local_batch_size or pipeline_parallel_microbatches to >= {dims.pp}, or use GPipe"
+            f"parallelism.pipeline_parallel_microbatches = {m} is too few for 1F1B at pipeline_parallel_degree "
+            f"{dims.pp}: it needs at least {dims.pp} (one in flight per stage rank); {fix}; or use GPipe, "
+            f"Interleaved1F1B or ZBVZeroBubble, which run with fewer"
         )
     return None
 
