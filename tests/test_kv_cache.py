@@ -69,7 +69,7 @@ def test_stops_at_max_seq_len_with_one_line(caplog):
     with caplog.at_level(logging.INFO, logger="titanlite"):
         new = generate(model, prompt, 20)
     assert new == ref[:7]  # positions 10..15 fed, the 7th token needs no forward
-    assert "Stopped after 7 new tokens: the sequence reached max_seq_len = 16" in caplog.text
+    assert "Stopped after 7 new tokens: the sequence reached 16 positions, the model's limit" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="titanlite"):
         assert generate(model, prompt, 7) == ref[:7]  # exactly fits: no message

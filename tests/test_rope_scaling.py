@@ -22,7 +22,7 @@ CASES = {
 }
 
 
-def _folder(tmp, family, rope, where):
+def _folder(tmp, family, rope, where, positions=512):
     """A random transformers model of the family with this RoPE scaling, saved; sharp attention so that RoPE
     matters. where: rope_parameters (transformers 5) or a rope_scaling block added to config.json afterwards."""
     torch.manual_seed(0)
@@ -37,7 +37,7 @@ def _folder(tmp, family, rope, where):
         else {"rope_type": "default", "rope_theta": 10000.0}
     )
     config = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=positions,
                         rms_norm_eps=1e-6, rope_parameters=params,
                         **({"sliding_window": None} if family == "mistral" else {}))  # fmt: skip
     model = cls(config).eval()
@@ -137,3 +137,24 @@ def test_scaling_set_for_a_built_in_flavor_and_bad_values():
             model_args(load(argv).model, VOCAB, 256)
     with pytest.raises(ConfigError, match="model.rope_scaling"):
         load(["--model.rope_scaling", "ntk"])
+
+
+def test_generate_reaches_the_context_the_scaling_reaches(tmp_path):
+    """A folder of 64 positions with YaRN x16 generates up to 1,024 positions, not to the config's seq_len (256);
+    past that, one line names the key that raises the cap (issue 41, item 19)."""
+    from titanlite.cli.generate import main
+    from titanlite.models.registry import hf_args
+
+    from helpers import capture_logs
+
+    _folder(tmp_path, "qwen3", {**YARN, "factor": 16.0}, "rope_parameters", positions=64)
+    assert hf_args(tmp_path).position_limit() == 1024
+    assert hf_args(tmp_path).with_overrides(context_length=16384, rope_scaling=None).position_limit() == 16384
+    argv = ["--checkpoint", str(tmp_path), "--prompt", "a", "--temperature", "0"]
+    logs = capture_logs()
+    assert main([*argv, "--max-new-tokens", "700"]) == 0
+    assert any("Generated 700 tokens" in m for m in logs)
+    assert main([*argv, "--max-new-tokens", "1100"]) == 0
+    stop = [m for m in logs if "Stopped after" in m]
+    assert len(stop) == 1 and "the sequence reached 1024 positions, the model's limit" in stop[0]
+    assert "--training.seq_len N raises it" in stop[0]

@@ -275,8 +275,8 @@ def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_
             break
         if cache is not None and cache.offset == max_len and len(new) < max_new_tokens:
             _log(
-                f"Stopped after {len(new)} new tokens: the sequence reached max_seq_len = {max_len} positions, all "
-                f"the KV cache holds (--no-kv-cache goes on, seeing only the last {max_len} tokens)"
+                f"Stopped after {len(new)} new tokens: the sequence reached {max_len} positions, the model's limit "
+                f"(its context, or what its RoPE scaling reaches); --training.seq_len N raises it to N positions"
             )
             break
         feed = new[-1:]

@@ -128,6 +128,7 @@ def run(argv: list[str]) -> str:
     ckpt_arg = args.checkpoint or str(checkpoint_folder(cfg))
     checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg, given=bool(args.checkpoint))
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    _reach_the_models_limit(cfg, tokenizer.vocab_size)
     if not cfg.lora.enable and (lora := lora_of_checkpoint(checkpoint)) is not None:
         cfg.lora = lora  # base + the adapters, unmerged, as they were trained
         logger.info(f"{checkpoint} holds LoRA adapters (rank {lora.rank}): sampling from its base with them")
@@ -181,6 +182,13 @@ def run(argv: list[str]) -> str:
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(timing.describe())
     return tokenizer.decode(new)
+
+
+def _reach_the_models_limit(cfg, vocab_size: int) -> None:
+    """Positions up to the model's own limit (its context, or what its RoPE scaling reaches), not training's seq_len:
+    generation has no activations to bound them; a larger training.seq_len raises the cap further."""
+    args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
+    cfg.training.seq_len = max(cfg.training.seq_len, args.position_limit())
 
 
 def launch(nproc: int, argv: list[str]) -> int:

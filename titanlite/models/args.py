@@ -70,6 +70,16 @@ class ModelArgs:
     router_aux_loss_coef: float = 0.001  # the published weight of the load-balancing loss ([moe] aux_loss_coef = -1)
     router_init_std: float = 0.02  # the router's init; the test flavors use decisive routers (ties flip at 1e-7)
 
+    def position_limit(self) -> int:
+        """The positions the model is meant to reach: its published context (config.json's max_position_embeddings),
+        the context its RoPE scaling stretches to (factor x the original), or its max_seq_len, whichever is most."""
+        limit = max(self.context_length, self.max_seq_len)
+        s = self.rope_scaling
+        if s is not None and s.rope_type in ("linear", "yarn"):
+            original = s.original_max_position_embeddings if s.rope_type == "yarn" else self.context_length
+            limit = max(limit, int(s.factor * original))
+        return limit
+
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
