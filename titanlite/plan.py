@@ -95,7 +95,8 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) 
         )
         raise ConfigError(
             f"training.seq_len = {t.seq_len} does not split into {what} = {split} equal chunks (each cp rank "
-            f"takes two, one from each end); valid: a multiple of {split}, e.g. {t.seq_len + (-t.seq_len) % split}"
+            f"takes two, one from each end); valid: a multiple of {split}, the nearest "
+            f"{_nearest_multiples(t.seq_len, split)}"
         )
     unsupported = [
         (t.loss_chunk_tokens == 0, "training.loss_chunk_tokens = 0 (the loss of whole logits)"),
@@ -312,3 +313,11 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
                 check_lock_free(folder, key)
         check_resume(cfg, args, model_shapes(cfg, args))
     return RunPlan(dims, global_batch, grad_accum, tokenizer, args)
+
+
+def _nearest_multiples(value: int, step: int) -> str:
+    """The positive multiple(s) of step nearest to value: '32', or '32 or 40' when both are as near."""
+    below, above = value - value % step, value - value % step + step
+    if below <= 0 or above - value < value - below:
+        return str(above)
+    return str(below) if value - below < above - value else f"{below} or {above}"

@@ -86,6 +86,12 @@ def _coerce(key: str, value, typ, list_ok: bool = False):
             return str(value)
         if origin is list:
             (inner,) = typing.get_args(typ)
+            if isinstance(value, str) and value.lstrip().startswith("["):
+                items = ",".join(v.strip(" \"'") for v in value.strip()[1:].rstrip("]").split(","))
+                raise ConfigError(
+                    f"{key} = {value!r} is a bracketed list; on the command line a list is comma-separated, e.g. "
+                    f"--{key} {items or 'a,b'} (brackets are for TOML files)"
+                )
             if isinstance(value, str):
                 value = [v for v in (s.strip() for s in value.split(",")) if v]
             if not isinstance(value, list):
