@@ -3,6 +3,7 @@ classes, HF folders in and out with per-expert names, the published shapes, acti
 KV-cache generation. The parity at every topology is in test_moe_parallel.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ pytest.importorskip("safetensors")
 VOCAB = 300
 
 
-def hf_moe_model(folder, family: str, norm_topk_prob: bool = True, seed: int = 0, shard: str = "60KB"):
+def hf_moe_model(folder, family: str, norm_topk_prob: bool = True, seed: int = 0, shard: str = "60KB", **sizes):
     """A random transformers MoE model saved with save_pretrained in several files: decisive routers (router weights
-    far from zero) and norms away from 1, so that a wrong mapping or a wrong routing shows in the logits."""
+    far from zero) and norms away from 1, so that a wrong mapping or a wrong routing shows in the logits. sizes
+    override the config's (a Qwen3-MoE head_dim=None: none in config.json, as transformers writes by default)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB,
@@ -30,13 +32,14 @@ def hf_moe_model(folder, family: str, norm_topk_prob: bool = True, seed: int = 0
         num_experts_per_tok=2,
     )
     if family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=16,
-            norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.004,
-        )  # fmt: skip
+        qwen = dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=16) | sizes
+        if qwen["head_dim"] is None:
+            del qwen["head_dim"]
+        config = transformers.Qwen3MoeConfig(**common | qwen, norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.004)
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
-        config = transformers.MixtralConfig(**common, intermediate_size=48, num_local_experts=4, sliding_window=None)
+        mixtral = dict(intermediate_size=48, num_local_experts=4, sliding_window=None) | sizes
+        config = transformers.MixtralConfig(**common | mixtral)
         model = transformers.MixtralForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -91,6 +94,27 @@ def test_logits_and_aux_loss_equal_transformers_and_export_loads_back(tmp_path, 
         assert (back(x).logits - expected).abs().max() < 1e-5
 
 
+def test_config_json_as_transformers_writes_it_without_head_dim_and_with_the_num_experts_alias(tmp_path):
+    """transformers 5.24's Qwen3MoeConfig has no head_dim (its attention takes hidden_size / heads) and writes none;
+    MixtralConfig reads num_experts as an alias of num_local_experts: both folders load, with transformers' logits."""
+    x = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    hf = hf_moe_model(tmp_path / "qwen", "qwen3_moe", hidden_size=96, head_dim=None)  # 96 / 4 heads = 24, not 128
+    assert "head_dim" not in json.loads((tmp_path / "qwen" / "config.json").read_text())
+    ours = _titanlite_from(tmp_path / "qwen")
+    assert ours.args.head_dim == 24
+    with torch.no_grad():
+        assert (ours(x) - hf(x).logits).abs().max() < 1e-5
+    hf = hf_moe_model(tmp_path / "mixtral", "mixtral")
+    config = json.loads((tmp_path / "mixtral" / "config.json").read_text())
+    config["num_experts"] = config.pop("num_local_experts")
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps(config))
+    assert type(hf).from_pretrained(tmp_path / "mixtral").config.num_local_experts == 4  # transformers' alias
+    ours = _titanlite_from(tmp_path / "mixtral")
+    assert ours.args.n_experts == 4
+    with torch.no_grad():
+        assert (ours(x) - hf(x).logits).abs().max() < 1e-5
+
+
 def test_published_shapes_and_parameter_counts():
     """Qwen3-30B-A3B: 30.5B parameters, 3.3B active; Qwen3-235B-A22B: 235B, 22B active (Qwen's model cards)."""
     from titanlite.models.qwen3_moe import QWEN3_MOE_FLAVORS
@@ -116,26 +140,70 @@ def test_flops_count_active_parameters_only():
     assert abs(per_token / 37.6e9 - 1) < 0.1, per_token  # TorchTitan's native figure for 30B-A3B
 
 
-def test_grouped_experts_equal_a_loop_over_experts():
-    """torch._grouped_mm over tokens sorted by expert equals each expert's SwiGLU on its own tokens (fp32)."""
+@pytest.mark.parametrize("hidden", [24, 33], ids=["grouped_mm", "rows_grouped_mm_cannot_align"])
+def test_grouped_experts_equal_a_loop_over_experts(hidden):
+    """Tokens sorted by expert: each expert's SwiGLU on its own tokens (fp32), outputs and gradients; torch._grouped_mm
+    computes them where it takes the sizes, one expert after another where not (hidden 33: rows of 132 bytes, not a
+    multiple of its 16, crashed with 'strides should be multiple of 16 bytes')."""
     import torch.nn.functional as F
 
-    from titanlite.models.moe import GroupedExperts
+    from titanlite.models.moe import GroupedExperts, grouped_mm_takes
 
+    assert grouped_mm_takes(16, hidden, torch.float32) == (hidden == 24)
     g = torch.Generator().manual_seed(0)
-    experts = GroupedExperts(4, 16, 24)
+    experts = GroupedExperts(4, 16, hidden)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
     counts = torch.tensor([3, 0, 5, 2])
     x = torch.randn(10, 16, generator=g)
     out = experts(x, counts)
-    start = 0
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in (experts.w1, experts.w3, experts.w2)]
+    experts.zero_grad()
+    start, refs = 0, []
     for e, n in enumerate(counts.tolist()):
         xe = x[start : start + n]
-        ref = (F.silu(xe @ experts.w1[e]) * (xe @ experts.w3[e])) @ experts.w2[e]
-        assert torch.allclose(out[start : start + n], ref, atol=1e-5), e
+        refs.append((F.silu(xe @ experts.w1[e]) * (xe @ experts.w3[e])) @ experts.w2[e])
+        assert torch.allclose(out[start : start + n], refs[-1], atol=1e-5), e
         start += n
+    torch.cat(refs).square().sum().backward()
+    for got, p in zip(grads, (experts.w1, experts.w3, experts.w2)):
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_an_expert_size_grouped_mm_cannot_align_trains_in_bf16_and_keeps_its_shape(tmp_path):
+    """A Qwen3-MoE folder with moe_intermediate_size 33 (transformers runs it eagerly): its logits, accepted before
+    launch in bf16 too (that refusal advised float32, which crashed the same way), trained in bf16, its checkpoint and
+    HF export of the real shape."""
+    from titanlite.checkpoint.hf_io import save_hf_sharded
+    from titanlite.config import load
+    from titanlite.data.tokenizers import ByteTokenizer
+    from titanlite.plan import validate_for_world
+
+    from helpers import make_trainer, tiny_argv
+
+    hf = hf_moe_model(tmp_path / "hf", "qwen3_moe", moe_intermediate_size=33)
+    hf.set_experts_implementation("eager")  # its default, grouped_mm, crashes on these sizes too
+    ours = _titanlite_from(tmp_path / "hf")
+    x = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(x).logits
+        assert (ours(x) - expected).abs().max() < 1e-5
+    save_hf_sharded(ours, tmp_path / "out", torch.float32, ByteTokenizer())
+    back = type(hf).from_pretrained(tmp_path / "out", experts_implementation="eager").eval()
+    assert back.config.moe_intermediate_size == 33
+    with torch.no_grad():
+        assert (back(x).logits - expected).abs().max() < 1e-5
+    argv = tiny_argv(tmp_path / "run", "--model.name", "qwen3_moe", "--model.flavor", "hf",
+                     "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "2",
+                     "--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "2",
+                     "--training.global_batch_size", "2")  # fmt: skip
+    validate_for_world(load(argv), 1)
+    t = make_trainer(argv)
+    losses = t.train()
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
+    assert tuple(t.model.state_dict()["layers.0.feed_forward.experts.w2"].shape) == (8, 33, 64)
 
 
 def test_the_routing_bias_moves_against_the_load_and_chooses_experts():
@@ -208,3 +276,36 @@ def test_an_export_says_it_leaves_the_routing_bias_out(tmp_path, caplog):
         save_hf_sharded(model, tmp_path / "moved", torch.float32, ByteTokenizer())
     assert "the routing bias learned with [moe] load_balance = 'aux_free'" in caplog.text
     assert not any("bias" in k for f in (tmp_path / "moved").glob("*.safetensors") for k in load_file(f))
+
+
+def test_the_235b_dry_run_command_of_docs_moe_prints_its_table_row(monkeypatch, capsys):
+    """docs/moe.md's Qwen3-235B-A22B dry run (from debug_model.toml, float32 unless the command says bfloat16, as the
+    table's jobs are) prints the table's GiB per rank and sequences per rank."""
+    import re
+    import shlex
+
+    import torch.distributed as dist
+
+    from titanlite.cli.dry_run import main
+
+    from helpers import ROOT
+
+    page = (ROOT / "docs" / "moe.md").read_text()
+    job = "Qwen3-235B-A22B on 64 GPUs, FSDP 64 x EP 32, seq 4096, full AC"
+    row = re.search(rf"^\| {job} \| ([\d.]+) GiB \| fits; up to (\d+)", page, re.M)
+    lines = page.replace("\\\n", " ").splitlines()  # continuation lines joined
+    command = [line for line in lines if line.startswith("NGPU=8 NNODES=8 ./run_train.sh --dry-run") and "235B" in line]
+    assert row and len(command) == 1, "docs/moe.md's 235B table row or dry-run command moved"
+    args = shlex.split(command[0])[3:]  # after NGPU=8 NNODES=8 ./run_train.sh
+    args.remove("--dry-run")
+    monkeypatch.setenv("NGPU", "8")
+    monkeypatch.setenv("NNODES", "8")
+    if dist.is_initialized():  # an earlier test's in-process trainer: the dry run sets up its own (fake) group
+        dist.destroy_process_group()
+    assert main(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *args]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    total = re.search(r"total on GPU\s+peak at: \w+\s+([\d.]+)", text)
+    largest = re.search(r"largest local batch that fits: (\d+)", text)
+    assert total and largest, text[-2000:]
+    assert (round(float(total.group(1)), 1), largest.group(1)) == (float(row.group(1)), row.group(2)), text[-2000:]

@@ -104,8 +104,27 @@ def _resume(tmp, local, extra, save):
     return out
 
 
-def test_resume_is_exact_with_the_routing_bias_and_at_another_ep_degree(tmp_path):
+def _generate_in_one_process(step, caplog, *extra):
+    """Greedy `generate --config <step>/job_config.toml --checkpoint <step>` in this process, and what it logged."""
+    import logging
+
+    from titanlite.cli.generate import run
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        text = run(["--config", str(step / "job_config.toml"), "--checkpoint", str(step), "--temperature", "0",
+                    "--max-new-tokens", "8", "--prompt", "ab", *extra])  # fmt: skip
+    return text, caplog.text
+
+
+def test_resume_is_exact_with_the_routing_bias_and_at_another_ep_degree(tmp_path, caplog):
     saved = run_distributed(_resume, 2, str(tmp_path), 2, EP2, True)[0]  # EP(2), accumulation 2
+    # one process generates from the EP(2) checkpoint with the config it was saved with: EP dropped, saying so
+    step = tmp_path / "a" / "step-3"
+    text, log = _generate_in_one_process(step, caplog)
+    assert "expert_parallel_degree = 2 is a training setting: generation runs without it" in log
+    same, without = _generate_in_one_process(step, caplog, "--parallelism.expert_parallel_degree", "1")
+    assert text == same and "is a training setting" not in without
     ref = saved["losses"]
     assert saved["resumed"] == {s: ref[s] for s in (4, 5, 6)}  # bit-identical on the same topology
     assert all(torch.equal(saved["resumed_bias"][k], v) for k, v in saved["bias"].items())

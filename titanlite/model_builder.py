@@ -41,8 +41,11 @@ def compiled_loss(cfg: JobConfig, tp: int = 1) -> bool:
 
     Never under tensor parallelism: a compiled cross-entropy of vocabulary-split logits (loss parallel) is
     wrong when inductor's cache is warm (torch 2.13), and the loss in chunks already splits over the vocabulary.
+    Never under context parallelism: the model computes the loss of its own part of each sequence, whose labels only
+    it knows (logits of this rank's tokens against the whole sequence's labels crashed at step 1).
     """
-    return cfg.compile.enable and cfg.compile.backend == "inductor" and tp == 1
+    cp = cfg.parallelism.context_parallel_degree
+    return cfg.compile.enable and cfg.compile.backend == "inductor" and tp == 1 and cp == 1
 
 
 def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:

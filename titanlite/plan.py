@@ -261,12 +261,6 @@ def check_experts(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, inference
             f"over the tp ranks to route them, but training.seq_len = {cfg.training.seq_len} is not a multiple of "
             f"{dims.tp}; valid: a multiple of {dims.tp}"
         )
-    if dtype_bytes(cfg.training.mixed_precision_param) < 4 and (args.dim % 8 or args.moe_hidden_dim % 8):
-        raise ConfigError(
-            f"the experts of {cfg.model.name} {cfg.model.flavor} (dim {args.dim}, expert hidden size "
-            f"{args.moe_hidden_dim}) need both sizes to be multiples of 8 for torch._grouped_mm in "
-            f"training.mixed_precision_param = {cfg.training.mixed_precision_param!r}; use float32 or another flavor"
-        )
 
 
 def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None = "cpu") -> RunPlan:

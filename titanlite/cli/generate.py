@@ -13,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -119,6 +118,12 @@ def run(argv: list[str]) -> str:
             "generation runs without it"
         )
         cfg.parallelism.pipeline_parallel_degree = 1
+    if cfg.parallelism.expert_parallel_degree > 1:  # every rank runs the same tokens through every expert it gathers
+        logger.info(
+            f"parallelism.expert_parallel_degree = {cfg.parallelism.expert_parallel_degree} is a training setting: "
+            "generation runs without it (with several processes each gathers a block's experts as it runs the block)"
+        )
+        cfg.parallelism.expert_parallel_degree = 1
     world = world_size_from_env()
     try:  # one process too: a degree it cannot honour is an error, not ignored
         dims = ParallelDims.from_config(cfg.parallelism, world)
@@ -148,12 +153,7 @@ def run(argv: list[str]) -> str:
         if tp_line := dims.describe_tp(False, False):
             logger.info(tp_line)
         if args_.moe:  # every rank runs the same tokens: each gathers a block's experts like its other weights
-            expert_mesh = replace(dims, ep=1).build_expert_mesh(env.device.type)
-            if dims.ep > 1:
-                logger.info(
-                    f"parallelism.expert_parallel_degree = {dims.ep} is a training setting: generation gathers each "
-                    f"block's experts with FSDP as it runs the block"
-                )
+            expert_mesh = dims.build_expert_mesh(env.device.type)
     model = inference_model(cfg, tokenizer.vocab_size, device, mesh, checkpoint, expert_mesh=expert_mesh)
     if checkpoint is None:
         model.init_weights(cfg.training.seed)

@@ -192,15 +192,15 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
     for key in ("torch_dtype", "dtype"):
         _field(config, key, file, None, lambda v: v in _DTYPES, f"one of {dtype_names}")
     dim, heads = positive_int("hidden_size"), positive_int("num_attention_heads")
-    default_head_dim = arch.default_head_dim or (dim // heads if dim % heads == 0 else None)
-    head_dim = _field(
-        config,
-        "head_dim",
-        file,
-        default_head_dim if default_head_dim is not None else _REQUIRED,
-        lambda v: _is_int(v) and v > 0 and v % 2 == 0,
-        "an even positive integer (RoPE rotates pairs of features)",
-    )
+    even = "an even positive integer (RoPE rotates pairs of features)"
+    # transformers' default when head_dim is absent or null: hidden_size // num_attention_heads (floored)
+    default_head_dim = arch.default_head_dim or dim // heads
+    head_dim = _field(config, "head_dim", file, default_head_dim, lambda v: _is_int(v) and v > 0 and v % 2 == 0, even)
+    if config.get("head_dim") is None and (head_dim == 0 or head_dim % 2):
+        raise ConfigError(
+            f"{file} has no head_dim, and hidden_size // num_attention_heads = {dim} // {heads} = {head_dim} (what "
+            f"transformers takes then) is not valid; expected {even}: add the model's head_dim to {CONFIG}"
+        )
     kv_heads = positive_int("num_key_value_heads", heads)
     if heads % kv_heads:
         raise ConfigError(
@@ -212,8 +212,7 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
     moe = {}
     if arch.experts is not None:
         x = arch.experts
-        count_key = next((k for k in x.count_keys if config.get(k) is not None), x.count_keys[0])
-        n_experts, top_k = positive_int(count_key), positive_int("num_experts_per_tok")
+        n_experts, top_k = _expert_count(config, file, x.count_keys), positive_int("num_experts_per_tok")
         if top_k > n_experts:
             raise ConfigError(f"{file}: num_experts_per_tok = {top_k} is more than the {n_experts} experts")
         coef = _field(config, "router_aux_loss_coef", file, 0.001, lambda v: _is_positive_number(v) or v == 0, ">= 0")
@@ -243,6 +242,21 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
         tie_embeddings=flag("tie_word_embeddings"),
         **moe,
     )
+
+
+def _expert_count(config: dict, file: str, keys: tuple[str, ...]) -> int:
+    """The expert count under any of its keys (transformers reads num_experts and num_local_experts as aliases of
+    each other); ConfigError when absent, not a positive integer, or given twice with two values."""
+    given = {k: config[k] for k in keys if config.get(k) is not None}
+    for key in given:
+        _field(config, key, file, _REQUIRED, lambda v: _is_int(v) and v > 0, _POSITIVE_INT)
+    if len(set(given.values())) > 1:
+        both = " and ".join(f"{k} = {v}" for k, v in given.items())
+        raise ConfigError(f"{file} has {both}: two counts of the same experts; expected one of them, or equal values")
+    if not given:
+        names = " or ".join(repr(k) for k in keys)
+        raise ConfigError(f"{file} has no {names}, which titanlite needs; expected {_POSITIVE_INT}")
+    return next(iter(given.values()))
 
 
 def mismatches(args: ModelArgs, hf: ModelArgs) -> list[str]:

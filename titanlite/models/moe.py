@@ -1,6 +1,7 @@
 """The Mixture-of-Experts feed-forward of the decoder: a linear router computed in fp32, softmax, top-k (renormalised
-when the model says so), and SwiGLU experts held as 3-D weights [experts, in, out] computed with torch._grouped_mm;
-dropless (every token reaches its top_k experts, no capacity).
+when the model says so), and SwiGLU experts held as 3-D weights [experts, in, out] computed with torch._grouped_mm
+(one expert after another for the sizes it does not take: grouped_mm_takes); dropless (every token reaches its top_k
+experts, no capacity).
 
 Routing is transformers' (Qwen3-MoE and Mixtral): probabilities = softmax(router(x)), the top_k of them choose the
 experts, their values (renormalised with norm_topk_prob) weight the experts' outputs. Load balancing, set by the
@@ -89,6 +90,24 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def grouped_mm_takes(dim: int, hidden: int, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm computes experts of these sizes in this dtype: it needs every row of its operands
+    to start on a 16-byte boundary (dim and hidden multiples of 4 in fp32, of 8 in bf16)."""
+    per_row = 16 // dtype.itemsize
+    return dim % per_row == 0 and hidden % per_row == 0
+
+
+def _per_expert(tokens: torch.Tensor, counts: torch.Tensor, w1, w3, w2) -> torch.Tensor:
+    """Each expert's SwiGLU on its own tokens, one expert after another (transformers' loop), for the sizes
+    torch._grouped_mm does not take. The weights are unbound, not sliced: their gradient is one stack."""
+    parts = tokens.split(counts.tolist())  # a host sync, as the token exchange's
+    outs = [
+        (F.silu(x @ a) * (x @ b)) @ c
+        for x, a, b, c in zip(parts, w1.unbind(0), w3.unbind(0), w2.unbind(0), strict=True)
+    ]
+    return torch.cat(outs)
+
+
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU experts: w1 and w3 [experts, dim, hidden], w2 [experts, hidden, dim]. Given tokens sorted by
     expert and the count per expert, returns their outputs in the same order. With expert parallelism (ep > 1) the
@@ -120,8 +139,10 @@ class GroupedExperts(nn.Module):
 
     def _compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self._weights()
-        ends = counts.cumsum(0).to(torch.int32)
         tokens = tokens.to(w1.dtype)
+        if not grouped_mm_takes(w1.shape[1], w1.shape[2], w1.dtype):
+            return _per_expert(tokens, counts, w1, w3, w2)
+        ends = counts.cumsum(0).to(torch.int32)
         hidden = F.silu(torch._grouped_mm(tokens, w1, offs=ends)) * torch._grouped_mm(tokens, w3, offs=ends)
         return torch._grouped_mm(hidden, w2, offs=ends)
 
