@@ -224,6 +224,23 @@ def _peft_folder(rank):
     return setup
 
 
+ADAPTER = "{tmp}/adapter"
+
+
+def _peft_config(**config):
+    """Setup: the saved run, and {tmp}/adapter holding a peft adapter_config.json (rank 8) with these keys."""
+
+    def setup(tmp):
+        import json
+
+        _copy_run(tmp)
+        (tmp / "adapter").mkdir()
+        config_json = {"peft_type": "LORA", "r": 8, "lora_alpha": 32, **config}
+        (tmp / "adapter" / "adapter_config.json").write_text(json.dumps(config_json))
+
+    return setup
+
+
 LORA = [
     Case("cp-does-not-divide-ranks", "config", "config",
          ("--world-size", "3", "--parallelism.context_parallel_degree", "2"),
@@ -359,6 +376,29 @@ LORA = [
     Case("export-peft-of-a-full-checkpoint", "export", "export",
          ("export", "--checkpoint", "{tmp}/run/checkpoint/step-4", "--format", "peft", "--output", "{tmp}/out"),
          ("{tmp}/run/checkpoint/step-4", "not a LoRA checkpoint"), setup=_copy_run),
+    Case("export-into-a-step-folder", "export", "export",
+         ("export", "--checkpoint", "{tmp}/run/checkpoint/step-4", "--format", "hf", "--output",
+          "{tmp}/run/checkpoint/step-2/merged"),
+         ("--output {tmp}/run/checkpoint/step-2/merged is inside the checkpoint folder", "keep_latest_k"),
+         setup=_copy_run),
+    Case("lora-peft-lora-bias", "config", "train", lora("--lora.rank", "8", "--lora.initial_adapter_path", ADAPTER),
+         ("lora_bias = True", "valid: lora_bias = false"), setup=_peft_config(lora_bias=True)),
+    Case("lora-peft-bias-all", "config", "train", lora("--lora.rank", "8", "--lora.initial_adapter_path", ADAPTER),
+         ("bias = 'all'", "valid: bias = 'none'"), setup=_peft_config(bias="all")),
+    Case("lora-peft-trainable-tokens", "config", "train",
+         lora("--lora.rank", "8", "--lora.initial_adapter_path", "{tmp}/adapter"),
+         ("trainable_token_indices = [1, 2]", "valid: trainable_token_indices = null"),
+         setup=_peft_config(trainable_token_indices=[1, 2])),
+    Case("lora-dcp-base-with-hf-flavor", "config", "train", lora("--model.flavor", "hf"),
+         ("checkpoint.initial_load_path = '{tmp}/run/checkpoint/step-4' is a titanlite checkpoint", "--format hf"),
+         setup=_copy_run),
+    Case("generate-lora-on-full-weights", "checkpoint", "generate",
+         ("--checkpoint", "{tmp}/run/checkpoint/step-4", "--lora.enable", "true"),
+         ("lora.enable = true, but --checkpoint '{tmp}/run/checkpoint/step-4' holds full titanlite weights",
+          "--format hf"), setup=_copy_run),
+    Case("generate-lora-adapter-missing", "checkpoint", "generate",
+         ("--checkpoint", "none", "--lora.enable", "true", "--lora.initial_adapter_path", "{tmp}/nothere"),
+         ("lora.initial_adapter_path = '{tmp}/nothere' does not exist",)),
 ]  # fmt: skip
 
 FOLDERS = [

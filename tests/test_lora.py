@@ -144,3 +144,105 @@ def test_validation_and_generation_run_without_dropout_and_training_keeps_it(tmp
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _safetensors_folder(folder, n=4):
+    """A folder with one safetensors file of n 256 KiB tensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"w{i}": torch.randn(256, 256, generator=g) for i in range(n)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    return folder / "model.safetensors"
+
+
+def test_the_base_fingerprint_sees_every_byte_and_caches_by_file_state(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from titanlite.checkpoint import base_identity
+    from titanlite.checkpoint.base_identity import check_same_base, fingerprint
+    from titanlite.errors import ConfigError
+
+    weights = _safetensors_folder(tmp_path / "base")
+    saved = fingerprint(tmp_path / "base")
+    with open(weights, "r+b") as f:  # one tensor changed in place: same size, 8 KiB that sampling skips
+        f.seek(weights.stat().st_size // 2 + 8192)
+        f.write(bytes(8192))
+    with pytest.raises(ConfigError, match="is another base .*its weights differ: model.safetensors"):
+        check_same_base(saved, fingerprint(tmp_path / "base"), "step-3")
+
+    monkeypatch.setattr(base_identity, "RACY_SECONDS", -1.0)  # cache even a file written a moment ago
+    now = fingerprint(tmp_path / "base")
+    monkeypatch.setattr(base_identity, "_hash_file", lambda *a: pytest.fail("an unchanged file was read again"))
+    assert fingerprint(tmp_path / "base") == now  # from the cache
+    st = weights.stat()
+    time.sleep(0.05)  # past the file system's timestamp tick
+    with open(weights, "r+b") as f:  # rewritten in place with its mtime put back: its ctime still moves
+        f.seek(100_000)
+        f.write(b"x")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    monkeypatch.undo()
+    assert fingerprint(tmp_path / "base")["tensors"] != now["tensors"]
+
+
+def test_a_checkpoint_with_the_sampled_fingerprint_of_older_versions_still_resumes(tmp_path):
+    from titanlite.checkpoint.base_identity import _sampled_fingerprint, check_same_base, fingerprint
+
+    _safetensors_folder(tmp_path / "base")
+    now = fingerprint(tmp_path / "base")
+    old = {"path": now["path"], "config": now["config"], "tensors": _sampled_fingerprint(tmp_path / "base")}
+    check_same_base(old, now, "step-3")
+
+
+def _peft_adapter(tmp_path, name, **lora_kw):
+    """A tiny Llama HF base and a peft adapter on it saved by peft itself; the base's titanlite ModelArgs."""
+    from titanlite.models.registry import hf_args
+
+    base = tmp_path / "base"
+    if not base.exists():
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        transformers.LlamaForCausalLM(cfg).save_pretrained(base)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, **lora_kw)).save_pretrained(tmp_path / name)
+    return tmp_path / name, hf_args(base)
+
+
+def test_peft_adapters_saved_with_all_linear_or_a_regex_read_as_their_roles(tmp_path):
+    from titanlite.checkpoint.lora_io import peft_settings
+
+    folder, args = _peft_adapter(tmp_path, "all", target_modules="all-linear")  # saved as expanded module paths
+    assert peft_settings(folder, args) == {"rank": 4, "alpha": 8, "targets": ["all"]}
+    folder, args = _peft_adapter(tmp_path, "regex", target_modules=r".*\.(q_proj|v_proj)")
+    assert peft_settings(folder, args) == {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(lora_bias=True), "lora_bias = True"),
+        (dict(trainable_token_indices=[1, 2]), "trainable_token_indices = [1, 2]"),
+        (dict(bias="all"), "bias = 'all'"),
+        (dict(bias="lora_only"), "bias = 'lora_only'"),
+        (dict(exclude_modules=["model.layers.0.self_attn.q_proj"]), "exclude_modules = ['model.layers.0.self_attn"),
+    ],
+    ids=["lora_bias", "trainable_token_indices", "bias_all", "bias_lora_only", "exclude_modules"],
+)
+def test_peft_settings_titanlite_cannot_honour_are_named(tmp_path, kw, named):
+    from titanlite.checkpoint.lora_io import peft_settings
+    from titanlite.errors import ConfigError
+
+    folder, args = _peft_adapter(tmp_path, "adapter", target_modules=["q_proj", "v_proj"], **kw)
+    with pytest.raises(ConfigError, match="does not support") as e:
+        peft_settings(folder, args)
+    assert named in str(e.value) and "valid:" in str(e.value), str(e.value)
+
+
+def test_the_fingerprint_benchmark_runs_at_a_tiny_size(tmp_path):
+    from helpers import run_benchmark
+
+    out = run_benchmark("lora_fingerprint.py", "--gb", "0.004", "--files", "2", "--folder", tmp_path)
+    assert "from the page cache (hashing alone)" in out and "cached digests (every later start)" in out, out
+    assert not (tmp_path / "base").exists()  # it cleans up

@@ -203,7 +203,7 @@ def test_resume_exports_and_peft(tmp_path, base, capsys):
     lora = capsys.readouterr()
     assert generate(["--checkpoint", str(tmp_path / "hf"), *greedy]) == 0
     merged = capsys.readouterr()
-    assert "holds LoRA adapters (rank 4)" in lora.err
+    assert "holds LoRA adapters (rank 4, alpha 32.0)" in lora.err
     assert lora.out == merged.out and len(lora.out) > len("The cat")
     # and under TP(2) on two processes: each adapter follows its projection's split in the inference plan too
     split = run_module("titanlite.generate", "--nproc", "2", "--parallelism.tensor_parallel_degree", "2",

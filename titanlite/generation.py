@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from titanlite.checkpoint.consolidated import check_model_fits, model_prefix, sa
 from titanlite.checkpoint.hf_io import check_hf_weights, load_hf_weights
 from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.lora_export import lora_base_of
+from titanlite.checkpoint.lora_io import load_peft_adapter, lora_differences, peft_settings, saved_lora
 from titanlite.checkpoint.parts import ModelPart
 from titanlite.checkpoint.resume import model_differences, saved_job_config, saved_model_args
 from titanlite.checkpoint.safe_reading import safe_dcp_load
@@ -144,12 +145,84 @@ def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
     part.load_state_dict(model_sd)
 
 
-def lora_of_checkpoint(checkpoint: Path | None):
-    """The [lora] section a LoRA checkpoint was trained with (None: not one)."""
-    if checkpoint is None or is_hf_folder(checkpoint) or read_lora_base(checkpoint) is None:
-        return None
-    cfg = saved_job_config(checkpoint)
-    return cfg.lora if cfg is not None else None
+def settle_lora(cfg: JobConfig, checkpoint: Path | None, given: set[str], vocab_size: int) -> None:
+    """Make cfg's [lora] what the adapters were trained with: a LoRA checkpoint's own [lora] (and its recorded base
+    as checkpoint.initial_load_path), or a peft folder's settings (lora.initial_adapter_path) on a HuggingFace or
+    titanlite base. `given`: the section.key names the command line set. ConfigError naming both values when the
+    command line gives another rank, alpha or targets; when lora.enable = true has no adapters to read; when the
+    recorded base is gone or changed."""
+    lora = cfg.lora
+    if checkpoint is not None and not is_hf_folder(checkpoint) and read_lora_base(checkpoint) is not None:
+        base = lora_base_of(checkpoint)  # names the base when it moved or changed
+        trained = saved_lora(checkpoint)
+        if trained is None:
+            raise ConfigError(
+                f"--checkpoint {str(checkpoint)!r} holds LoRA adapters but no readable job_config.toml: the rank and "
+                "alpha they were trained with are unknown"
+            )
+        if "lora.initial_adapter_path" in given and lora.initial_adapter_path:
+            raise ConfigError(
+                f"--lora.initial_adapter_path {lora.initial_adapter_path} would replace the adapters --checkpoint "
+                f"{str(checkpoint)!r} holds; give one of them"
+            )
+        args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(base["path"]))
+        _adopt(cfg, trained, f"--checkpoint {str(checkpoint)!r}", given, args)
+        cfg.checkpoint.initial_load_path = base["path"]
+        logger.info(
+            f"{checkpoint} holds LoRA adapters (rank {cfg.lora.rank}, alpha {cfg.lora.alpha}): sampling from its "
+            f"base {base['path']} with them, unmerged"
+        )
+        return
+    if not lora.enable:
+        if lora.initial_adapter_path:
+            raise ConfigError(
+                f"lora.initial_adapter_path = {lora.initial_adapter_path!r} is set but lora.enable = false; set "
+                "--lora.enable true to sample with those adapters"
+            )
+        return
+    if checkpoint is not None and not is_hf_folder(checkpoint):
+        raise ConfigError(
+            f"lora.enable = true, but --checkpoint {str(checkpoint)!r} holds full titanlite weights and no adapters; "
+            "a peft adapter folder (lora.initial_adapter_path) goes on a HuggingFace base: export this one first "
+            f"(python -m titanlite.checkpoint export --checkpoint {checkpoint} --format hf --output <folder>) and give "
+            "that folder as --checkpoint, or drop --lora.enable to sample from it alone"
+        )
+    if not lora.initial_adapter_path:
+        if checkpoint is None:
+            return  # untrained weights: the adapters start as peft's (B = 0), the model is its base
+        raise ConfigError(
+            f"lora.enable = true samples from a base with adapters, but --checkpoint {str(checkpoint)!r} holds none "
+            "and lora.initial_adapter_path = '' names none (the adapters would be uninitialised memory); set "
+            "--lora.initial_adapter_path to a peft adapter folder (adapter_config.json + adapter_model.safetensors), "
+            "give a LoRA checkpoint, or drop --lora.enable to sample from the base alone"
+        )
+    folder = Path(lora.initial_adapter_path).expanduser()
+    args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
+    settings = peft_settings(folder, args)
+    trained = replace(lora, rank=settings["rank"], alpha=settings["alpha"], targets=settings["targets"])
+    _adopt(cfg, trained, f"lora.initial_adapter_path = {str(folder)!r}", given, args)
+    cfg.lora.initial_adapter_path = str(folder)
+    logger.info(f"Sampling with the LoRA adapters of {folder} (rank {cfg.lora.rank}, alpha {cfg.lora.alpha}), unmerged")
+
+
+def _adopt(cfg: JobConfig, trained, source: str, given: set[str], args) -> None:
+    """cfg.lora := the adapters' own rank, alpha and targets (from `source`); ConfigError when the command line set
+    another, a log line when the config file did."""
+    for key, then, now in lora_differences(trained, cfg.lora, args):
+        if f"lora.{key}" in given:
+            raise ConfigError(
+                f"--lora.{key} {now} conflicts with {source}, whose adapters were trained with lora.{key} = {then}; "
+                f"generate samples with the adapters' own settings: drop --lora.{key}"
+            )
+        logger.info(f"lora.{key} = {then} as {source} was trained (the config gives {now})")
+    kept = {k: getattr(cfg.lora, k) for k in ("dropout", "base_dtype") if f"lora.{k}" in given}
+    cfg.lora = replace(trained, enable=True, initial_adapter_path="", **kept)
+
+
+def load_adapters(model: torch.nn.Module, cfg: JobConfig) -> None:
+    """Start the model's adapters from lora.initial_adapter_path (settle_lora set it for a base without them)."""
+    if cfg.lora.enable and cfg.lora.initial_adapter_path:
+        load_peft_adapter(model, cfg.lora.initial_adapter_path, cfg.lora)
 
 
 def _saved_with(path: Path, args) -> str | None:

@@ -241,8 +241,7 @@ def locked_folders(cfg: JobConfig) -> dict[str, Path]:
 
 
 def check_experts(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, inference: bool = False) -> None:
-    """ConfigError when expert parallelism cannot split this model's experts, is asked of a dense model, or when an
-    MoE's sizes do not suit its kernels."""
+    """ConfigError when expert parallelism cannot split this model's experts or is asked of a dense model."""
     ep, key = dims.ep, f"parallelism.expert_parallel_degree = {dims.ep}"
     if not args.moe:
         if ep > 1:
@@ -277,6 +276,13 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     start = Path(cfg.checkpoint.initial_load_path).expanduser()
     if folder is None and cfg.model.flavor == "hf" and (start / "config.json").is_file():
         raise ConfigError(f"checkpoint.initial_load_path = {str(start)!r} {missing_weights_note(start)}")
+    if folder is None and cfg.model.flavor == "hf" and (start / "model_args.json").is_file():
+        raise ConfigError(
+            f"checkpoint.initial_load_path = {str(start)!r} is a titanlite checkpoint, but model.flavor = 'hf' takes "
+            "the model's shape from a HuggingFace folder's config.json: export it as one first (python -m "
+            f"titanlite.checkpoint export --checkpoint {start} --format hf --output <folder>) and set "
+            "checkpoint.initial_load_path to that folder"
+        )
     args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
     if folder is not None:
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only

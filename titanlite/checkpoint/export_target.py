@@ -10,10 +10,12 @@ left beside new ones, and a failed export leaves the old output as it was and no
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from titanlite.checkpoint.catalog import STEP_PREFIX
 from titanlite.errors import ConfigError
 
 # What makes a folder "hold a model" (weights, its config or its tokenizer).
@@ -28,15 +30,40 @@ MODEL_FILES = (
 )
 
 
+TEMPORARY = ".{name}.exporting-{pid}"  # the sibling an export is written into
+
+
+def shown(path: Path) -> Path:
+    """The output a path names for the user: the final folder for an export's temporary sibling, else itself."""
+    m = re.fullmatch(r"\.(.+)\.exporting-\d+", path.name)
+    return path.with_name(m.group(1)) if m else path
+
+
+def _step_folder_holding(output: Path) -> Path | None:
+    """The checkpoint folder (a step-N folder, or any DCP checkpoint) that `output` would be inside: retention
+    (checkpoint.keep_latest_k) deletes such folders whole."""
+    for place in output.absolute().parents:
+        if (place / ".metadata").is_file() or re.fullmatch(re.escape(STEP_PREFIX) + r"\d+", place.name):
+            return place
+    return None
+
+
 def check_target(output: Path, folder: bool, overwrite: bool, checkpoint: Path | None = None) -> None:
     """ConfigError when writing `output` (a folder for hf, else a file) would replace or mix with what is there,
-    replace the `checkpoint` being exported, or cannot be done where it is."""
+    replace the `checkpoint` being exported, land inside a checkpoint's step folder, or cannot be done where it
+    is."""
     kind = "folder" if folder else "file"
     if checkpoint is not None and (out := output.resolve()) in (src := Path(checkpoint).resolve(), *src.parents):
         what = "the checkpoint" if out == src else "a folder holding the checkpoint"
         raise ConfigError(
             f"--output {output} is {what} being exported (--checkpoint {checkpoint}): the export would replace "
             f"it; choose another --output"
+        )
+    if (step := _step_folder_holding(output)) is not None:
+        raise ConfigError(
+            f"--output {output} is inside the checkpoint folder {step}, which retention (checkpoint.keep_latest_k) "
+            "deletes whole with whatever it holds, and which a resume reads as a checkpoint; choose an --output "
+            "outside every step-N folder"
         )
     place = output.absolute().parent
     while not place.exists():
@@ -84,7 +111,7 @@ def write_atomically(output: Path, folder: bool, write: Callable[[Path], object]
     """
     output = output.absolute()
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.exporting-{os.getpid()}")
+    tmp = output.with_name(TEMPORARY.format(name=output.name, pid=os.getpid()))
     old = output.with_name(f".{output.name}.replaced-{os.getpid()}")
     _remove(tmp)
     if folder:

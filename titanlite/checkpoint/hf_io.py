@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
+from titanlite.checkpoint.export_target import shown
 from titanlite.checkpoint.safe_reading import load_metadata
 from titanlite.compat import consolidate_hf_safetensors, local_rows
 from titanlite.errors import ConfigError
@@ -245,7 +246,7 @@ def warn_dropped_routing_bias(biases: dict[str, torch.Tensor], out: pathlib.Path
     if any(bool((b.to_local() if isinstance(b, DTensor) else b).abs().max() > 0) for b in biases.values()):
         if not dist.is_initialized() or dist.get_rank() == 0:
             logger.warning(
-                f"{out}: the routing bias learned with [moe] load_balance = 'aux_free' is not part of the HF "
+                f"{shown(out)}: the routing bias learned with [moe] load_balance = 'aux_free' is not part of the HF "
                 f"architecture and is left out: the exported model chooses experts without it (docs/moe.md)"
             )
 

@@ -11,7 +11,7 @@ from titanlite.checkpoint.base_identity import check_same_base, fingerprint
 from titanlite.checkpoint.base_identity import read as read_lora_base
 from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import model_prefix
-from titanlite.checkpoint.hf_io import save_hf_sharded
+from titanlite.checkpoint.hf_io import save_hf_sharded, warn_dropped_routing_bias
 from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.lora_io import saved_adapters, write_peft
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
@@ -19,6 +19,7 @@ from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
 from titanlite.models.args import args_from_dict
+from titanlite.models.hf_names import is_routing_bias
 from titanlite.models.lora import merge_adapters
 
 
@@ -30,8 +31,9 @@ def lora_base_of(step: Path) -> dict | None:
     base = Path(str(saved.get("path", "")))
     if not base.exists():
         raise ConfigError(
-            f"{step} holds LoRA adapters trained on the base {base}, which is not there any more; the adapters "
-            "alone can still be exported with --format peft"
+            f"{step} holds LoRA adapters trained on the base {base}, which is not there any more: put that base "
+            "back at its path (its fingerprint is checked); the adapters alone can still be exported with "
+            "--format peft"
         )
     check_same_base(saved, fingerprint(base), str(step))
     return saved
@@ -49,7 +51,9 @@ def export_peft(step: Path, output: Path, dtype: torch.dtype | None) -> int:
     if read_lora_base(step) is None:
         raise ConfigError(f"--checkpoint {step} is not a LoRA checkpoint (it has no lora_base.json): nothing to export")
     cfg, args = _run_of(step)
-    adapters = saved_adapters(step, model_prefix(read_metadata(step)))
+    saved = saved_adapters(step, model_prefix(read_metadata(step)), routing_bias=True)
+    warn_dropped_routing_bias({k: v for k, v in saved.items() if is_routing_bias(k)}, output)
+    adapters = {k: v for k, v in saved.items() if not is_routing_bias(k)}
     return write_peft(output, adapters, args, cfg.lora, str(read_lora_base(step).get("path")), dtype)
 
 
@@ -63,11 +67,11 @@ def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_
     model.to_empty(device="cpu")
     model.init_buffers()
     load_initial_weights(model, Path(base["path"]))
-    adapters = saved_adapters(step, model_prefix(read_metadata(step)))
-    missing, unexpected = model.load_state_dict(adapters, strict=False)
+    adapters = saved_adapters(step, model_prefix(read_metadata(step)), routing_bias=True)
+    missing, unexpected = model.load_state_dict(adapters, strict=False)  # the routing bias too: saving warns
     if unexpected:
         raise ConfigError(f"--checkpoint {step} holds {unexpected[0]}, which its [lora] settings do not make")
     merge_adapters(model)
-    out_dtype = dtype or next(iter(adapters.values())).dtype
+    out_dtype = dtype or next(v for k, v in adapters.items() if not is_routing_bias(k)).dtype
     save_hf_sharded(model, output, out_dtype, build_tokenizer(cfg.model.tokenizer_path), max_file_bytes)
-    return len(adapters) // 2
+    return sum(not is_routing_bias(k) for k in adapters) // 2

@@ -18,39 +18,97 @@ from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
-from titanlite.models.lora import adapter_names, from_peft, is_adapter, peft_config, resolve_targets, to_peft
+from titanlite.models.hf_names import is_routing_bias
+from titanlite.models.lora import (
+    ADAPTER_A,
+    ROLE_MODULES,
+    adapter_names,
+    from_peft,
+    is_adapter,
+    peft_config,
+    resolve_targets,
+    to_peft,
+    to_peft_name,
+)
 
 logger = logging.getLogger("titanlite")
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def check_lora_resume(path: Path, lora_enabled: bool, identity: dict | None) -> None:
-    """ConfigError when a checkpoint and the run disagree about LoRA, or when its adapters were trained on another
-    base than the run's (base_identity.check_same_base)."""
+def check_lora_resume(path: Path, lora, identity: dict | None, args: ModelArgs | None = None) -> None:
+    """ConfigError when a checkpoint and the run disagree about LoRA (lora: the run's [lora] section), when its
+    adapters were trained on another base than the run's (base_identity.check_same_base), or, given the model's
+    args, with another lora.rank, alpha or targets."""
     saved = read_base(path)
-    if lora_enabled and saved is None:
+    if lora.enable and saved is None:
         raise ConfigError(
             f"{path} holds a full-weight checkpoint, not LoRA adapters; lora.enable = true resumes only LoRA "
             "checkpoints: give the LoRA run its own job.dump_folder (or checkpoint.folder), or set lora.enable = false"
         )
-    if not lora_enabled and saved is not None:
+    if not lora.enable and saved is not None:
         raise ConfigError(
             f"{path} holds only LoRA adapters (trained on the base {saved.get('path')}); resume it with "
             "lora.enable = true and the [lora] settings it was trained with, or export it merged with "
             "python -m titanlite.checkpoint export --format hf"
         )
-    if lora_enabled:
-        check_same_base(saved, identity, str(path))
+    if not lora.enable:
+        return
+    check_same_base(saved, identity, str(path))
+    trained = saved_lora(path)
+    if args is not None and trained is not None and (diff := lora_differences(trained, lora, args)):
+        key, then, now = diff[0]
+        raise ConfigError(
+            f"lora.{key} = {now!r}, but {path} was trained with lora.{key} = {then!r} ({path / 'job_config.toml'}): "
+            f"its adapters mean something only with it; set lora.{key} = {then!r} to resume, or start a new "
+            "job.dump_folder to train with the new value"
+        )
+
+
+def saved_lora(step: Path):
+    """The [lora] section a checkpoint was saved with (its job_config.toml; defaults for keys it lacks), or None."""
+    import tomllib
+
+    from titanlite.config import Lora
+
+    try:
+        table = tomllib.loads((Path(step) / "job_config.toml").read_text()).get("lora", {})
+    except (OSError, ValueError):
+        return None
+    lora = Lora()
+    for key, value in table.items() if isinstance(table, dict) else ():
+        if hasattr(lora, key):
+            setattr(lora, key, value)
+    return lora
+
+
+def lora_differences(trained, lora, args: ModelArgs) -> list[tuple[str, object, object]]:
+    """(key, trained value, this value) for each of rank, alpha and targets (compared as the roles they resolve
+    to) where two [lora] sections give adapters of another shape or scale."""
+    out = []
+    for key in ("rank", "alpha", "targets"):
+        then, now = getattr(trained, key), getattr(lora, key)
+        same = _roles(then, args) == _roles(now, args) if key == "targets" else then == now
+        if not same:
+            out.append((key, ",".join(then) if key == "targets" else then, ",".join(now) if key == "targets" else now))
+    return out
+
+
+def _roles(targets, args: ModelArgs) -> list[str] | None:
+    try:
+        return sorted(resolve_targets(list(targets), args))
+    except ValueError:
+        return None
 
 
 def _read_peft_config(folder: Path) -> dict:
     try:
         config = json.loads((folder / PEFT_CONFIG).read_text())
     except (OSError, ValueError) as e:
+        what = "does not exist" if not folder.exists() else f"has no readable {PEFT_CONFIG} ({type(e).__name__}: {e})"
         raise ConfigError(
-            f"lora.initial_adapter_path = {str(folder)!r}: no readable {PEFT_CONFIG} ({type(e).__name__}: {e}); "
-            f"expected a peft adapter folder ({PEFT_CONFIG} + {PEFT_WEIGHTS})"
+            f"lora.initial_adapter_path = {str(folder)!r} {what}; expected a peft adapter folder ({PEFT_CONFIG} + "
+            f"{PEFT_WEIGHTS})"
         ) from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         raise ConfigError(
@@ -60,31 +118,120 @@ def _read_peft_config(folder: Path) -> dict:
     return config
 
 
+# adapter_config.json keys titanlite's LoRA cannot honour: key -> (what it does, the valid value)
+UNSUPPORTED_PEFT_KEYS = {
+    "use_dora": ("DoRA's magnitude vectors", "false"),
+    "use_rslora": ("rsLoRA's alpha / sqrt(r) scale", "false"),
+    "fan_in_fan_out": ("transposed (Conv1D) weights", "false"),
+    "modules_to_save": ("whole trained copies of base modules", "null"),
+    "rank_pattern": ("per-module ranks", "{}"),
+    "alpha_pattern": ("per-module alphas", "{}"),
+    "layers_to_transform": ("adapters on some blocks only", "null"),
+    "layer_replication": ("replicated blocks", "null"),
+    "lora_bias": ("a trained bias on each lora_B", "false"),
+    "trainable_token_indices": ("trained embedding rows", "null"),
+    "target_parameters": ("adapters on parameters such as an MoE's experts", "null"),
+    "bias": ("trained biases of the base's projections", "'none'"),
+}
+
+
+def _check_supported(folder: Path, config: dict) -> None:
+    for key, (what, valid) in UNSUPPORTED_PEFT_KEYS.items():
+        value = config.get(key)
+        if value not in (None, "none") if key == "bias" else bool(value):
+            raise ConfigError(
+                f"lora.initial_adapter_path = {str(folder)!r}: {PEFT_CONFIG} sets {key} = {value!r} ({what}), which "
+                f"titanlite's LoRA does not support; valid: {key} = {valid} (one rank and alpha on the same "
+                "projections of every block, nothing else trained)"
+            )
+
+
+def _module_roles(args: ModelArgs) -> dict[str, tuple[int, str]]:
+    """peft module path (base_model.model.model.layers.0.self_attn.q_proj) -> (block, role), for every role the
+    model can adapt."""
+    out = {}
+    for role in resolve_targets(["all"], args):
+        for i in range(args.n_layers):
+            name = f"layers.{i}.{ROLE_MODULES[role]}.{ADAPTER_A}.weight"
+            out[to_peft_name(name, args).removesuffix(".lora_A.weight")] = (i, role)
+    return out
+
+
+def adapted_roles(folder: Path, config: dict, args: ModelArgs) -> list[str]:
+    """The roles a peft adapter adapts, read from its weights' names (whatever target_modules says: a list, an
+    expanded 'all-linear', a regex); ConfigError naming a tensor that is no adapter of a role, or a role adapted
+    in some blocks only."""
+    from safetensors import safe_open
+
+    where = f"lora.initial_adapter_path = {str(folder)!r}: {PEFT_WEIGHTS}"
+    try:
+        with safe_open(str(folder / PEFT_WEIGHTS), "pt") as f:
+            keys = list(f.keys())
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise ConfigError(f"{where} cannot be read ({type(e).__name__}: {e})") from None
+    modules, blocks = _module_roles(args), {}
+    for key in keys:
+        module, _, leaf = key.replace(".default.", ".").rpartition(".lora_")
+        if leaf not in ("A.weight", "B.weight") or module not in modules:
+            roles = ", ".join(resolve_targets(["all"], args))
+            raise ConfigError(
+                f"{where} holds {key}, which is not a LoRA A or B of a projection titanlite adapts in this "
+                f"{args.family} model ({roles} of each block); valid: adapters of those projections only"
+            )
+        i, role = modules[module]
+        blocks.setdefault(role, set()).add(i)
+    if not blocks:
+        raise ConfigError(f"{where} holds no adapters")
+    for role, have in blocks.items():
+        if len(have) != args.n_layers:
+            missing = sorted(set(range(args.n_layers)) - have)
+            excluded = config.get("exclude_modules")
+            why = (
+                f"; {PEFT_CONFIG} sets exclude_modules = {excluded!r}, which titanlite's LoRA does not support "
+                "(valid: exclude_modules = null, or modules no adapter would be on)"
+                if excluded
+                else ""
+            )
+            raise ConfigError(
+                f"{where} adapts {role} in {len(have)} of the {args.n_layers} blocks (not in block "
+                f"{', '.join(map(str, missing[:8]))}){why}; titanlite's LoRA adapts the same projections in every "
+                "block"
+            )
+    return [r for r in ROLE_MODULES if r in blocks]
+
+
+def peft_settings(folder: Path, args: ModelArgs) -> dict:
+    """{rank, alpha, targets} of a peft adapter folder (targets as titanlite's lora.targets), after refusing what
+    titanlite's LoRA cannot read, each refusal naming its adapter_config.json key."""
+    config = _read_peft_config(folder)
+    _check_supported(folder, config)
+    if not (folder / PEFT_WEIGHTS).is_file():
+        raise ConfigError(f"lora.initial_adapter_path = {str(folder)!r} has no {PEFT_WEIGHTS}")
+    roles = adapted_roles(folder, config, args)
+    targets = ["all"] if roles == resolve_targets(["all"], args) else roles
+    return {"rank": config.get("r", 8), "alpha": config.get("lora_alpha", 8), "targets": targets}
+
+
 def check_peft_folder(folder: Path, lora_cfg, args: ModelArgs) -> None:
     """ConfigError naming the setting where a peft adapter folder does not match the run's [lora]."""
     config = _read_peft_config(folder)
-    roles = resolve_targets(list(lora_cfg.targets), args)
-    theirs = config.get("target_modules")
-    theirs = sorted(theirs) if isinstance(theirs, list) else theirs
+    _check_supported(folder, config)
     for key, ours, saved in (
-        ("rank", lora_cfg.rank, config.get("r")),
-        ("alpha", lora_cfg.alpha, config.get("lora_alpha")),
-        ("targets", sorted(roles), theirs),
+        ("rank", lora_cfg.rank, config.get("r", 8)),
+        ("alpha", lora_cfg.alpha, config.get("lora_alpha", 8)),
     ):
         if ours != saved:
             raise ConfigError(
                 f"lora.initial_adapter_path = {str(folder)!r} was trained with {key} {saved!r} ({PEFT_CONFIG}) but "
                 f"lora.{key} gives {ours!r}; set lora.{key} to {saved!r}"
             )
-    for flag in ("use_dora", "use_rslora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern",
-                 "layers_to_transform"):  # fmt: skip
-        if config.get(flag):
-            raise ConfigError(
-                f"lora.initial_adapter_path = {str(folder)!r}: {PEFT_CONFIG} sets {flag} = {config[flag]!r}, which "
-                "titanlite's LoRA does not support (one rank and alpha on every targeted projection of every block)"
-            )
-    if not (folder / PEFT_WEIGHTS).is_file():
-        raise ConfigError(f"lora.initial_adapter_path = {str(folder)!r} has no {PEFT_WEIGHTS}")
+    settings = peft_settings(folder, args)
+    if _roles(settings["targets"], args) != _roles(lora_cfg.targets, args):
+        theirs = ",".join(settings["targets"])
+        raise ConfigError(
+            f"lora.initial_adapter_path = {str(folder)!r} adapts {theirs} ({PEFT_WEIGHTS}) but lora.targets gives "
+            f"{','.join(lora_cfg.targets)}; set lora.targets to {theirs}"
+        )
 
 
 def load_peft_adapter(model: torch.nn.Module, folder: str | Path, lora_cfg) -> None:
@@ -110,13 +257,16 @@ def load_peft_adapter(model: torch.nn.Module, folder: str | Path, lora_cfg) -> N
     logger.info(f"Started the adapters from {folder} (lora.initial_adapter_path)")
 
 
-def saved_adapters(step: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """The full adapter tensors of a LoRA checkpoint (read in this process)."""
+def saved_adapters(step: Path, prefix: str, routing_bias: bool = False) -> dict[str, torch.Tensor]:
+    """The full adapter tensors of a LoRA checkpoint (read in this process); with routing_bias, also an MoE's
+    routing biases (trained by [moe] load_balance = "aux_free" beside the adapters)."""
     metadata = read_metadata(step).state_dict_metadata
     dest = {
         k: torch.empty(md.size, dtype=md.properties.dtype)
         for k, md in metadata.items()
-        if k.startswith(prefix) and isinstance(md, TensorStorageMetadata) and is_adapter(k)
+        if k.startswith(prefix)
+        and isinstance(md, TensorStorageMetadata)
+        and (is_adapter(k) or (routing_bias and is_routing_bias(k)))
     }
     if not dest:
         raise ConfigError(f"--checkpoint {step} holds no LoRA adapters")

@@ -160,7 +160,7 @@ class CheckpointManager:
 
     def _restore(self, info: CheckpointInfo) -> None:
         t0 = time.perf_counter()
-        check_lora_resume(info.path, self.lora, self.lora_base)
+        check_lora_resume(info.path, self.job_cfg.lora, self.lora_base, self.model.args)
         if self.data_identity is not None:
             now = self.data_identity if "dataloader" in self.wanted else {**self.data_identity, "sources": []}
             check_unchanged(info.path, now, self.cfg.allow_data_change)

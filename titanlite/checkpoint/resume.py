@@ -192,7 +192,7 @@ def check_resume(cfg: JobConfig, args: ModelArgs, model_shapes: dict[str, tuple]
         raise ConfigError(f"checkpoint.load_step = {c.load_step}: {info.path} is corrupt: {'; '.join(problems[:3])}")
     if cfg.lora.enable or read_lora_base(info.path) is not None:
         base = fingerprint(cfg.checkpoint.initial_load_path) if cfg.lora.enable else None
-        check_lora_resume(info.path, cfg.lora.enable, base)
+        check_lora_resume(info.path, cfg.lora, base, args)
     check_model_matches(info.path, args)
     hint = "; was it saved with another lora.rank or lora.targets?" if cfg.lora.enable else None
     check_model_fits(model_shapes, saved_shapes(read_metadata(info.path), "model."), str(info.path), hint)

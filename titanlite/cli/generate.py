@@ -27,9 +27,10 @@ from titanlite.exit_status import report_user_error
 from titanlite.generation import (
     generate_timed,
     inference_model,
+    load_adapters,
     load_weights,
-    lora_of_checkpoint,
     resolve_checkpoint,
+    settle_lora,
 )
 from titanlite.metrics import setup_logging
 from titanlite.models.hf_config import hf_folder, is_hf_folder
@@ -133,10 +134,8 @@ def run(argv: list[str]) -> str:
     ckpt_arg = args.checkpoint or str(checkpoint_folder(cfg))
     checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg, given=bool(args.checkpoint))
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    settle_lora(cfg, checkpoint, _given_keys(overrides), tokenizer.vocab_size)  # the adapters' own [lora] and base
     _reach_the_models_limit(cfg, tokenizer.vocab_size)
-    if not cfg.lora.enable and (lora := lora_of_checkpoint(checkpoint)) is not None:
-        cfg.lora = lora  # base + the adapters, unmerged, as they were trained
-        logger.info(f"{checkpoint} holds LoRA adapters (rank {lora.rank}): sampling from its base with them")
 
     expert_mesh = None
     if dims is None:  # one process: a plain, unsharded model and no process group
@@ -162,6 +161,7 @@ def run(argv: list[str]) -> str:
         load_weights(model, checkpoint)
         a = model.args
         logger.info(f"Loaded {checkpoint}: {a.family}, {a.n_layers} blocks, dim {a.dim}, vocab {a.vocab_size}")
+    load_adapters(model, cfg)  # a peft folder's adapters on a base without its own
     if args.chat:  # the conversation so far, ending with the assistant's header
         text = load_template(cfg.data.chat_template, tokenizer).render(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True
@@ -182,6 +182,11 @@ def run(argv: list[str]) -> str:
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(timing.describe())
     return tokenizer.decode(new)
+
+
+def _given_keys(overrides: list[str]) -> set[str]:
+    """The section.key names the command line sets (--section.key value or --section.key=value)."""
+    return {o[2:].partition("=")[0] for o in overrides if o.startswith("--") and "." in o.partition("=")[0]}
 
 
 def _reach_the_models_limit(cfg, vocab_size: int) -> None:
