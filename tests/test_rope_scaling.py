@@ -125,6 +125,7 @@ def test_scaling_set_for_a_built_in_flavor_and_bad_values():
         qwen = load(["--model.name", name, "--model.flavor", flavor, "--model.rope_scaling", "yarn",
                      "--model.rope_factor", "4"])  # fmt: skip
         assert model_args(qwen.model, VOCAB, 256).rope_scaling.original_max_position_embeddings == 32768
+        assert model_args(qwen.model, VOCAB, 256).position_limit() == 131072
     unused = [
         (["--model.rope_factor", "4"], r"model.rope_factor = 4.0 does nothing with model.rope_scaling = ''"),
         (["--model.rope_scaling", "none", "--model.rope_factor", "4"], "does nothing with model.rope_scaling = 'none'"),
@@ -158,3 +159,21 @@ def test_generate_reaches_the_context_the_scaling_reaches(tmp_path):
     stop = [m for m in logs if "Stopped after" in m]
     assert len(stop) == 1 and "the sequence reached 1024 positions, the model's limit" in stop[0]
     assert "--training.seq_len N raises it" in stop[0]
+
+
+def test_yarn_over_a_qwen3_folder_takes_qwen_s_original_context(tmp_path):
+    """A Qwen3 folder as released (40,960 positions) with the YaRN x4 override: original context 32,768 as in Qwen's
+    recipe, reaching 131,072; another folder's original context is its max_position_embeddings (issue 41, item 7)."""
+    from titanlite.config import load
+    from titanlite.models.registry import model_args
+
+    for positions, original in ((40960, 32768), (512, 512)):
+        folder = tmp_path / str(positions)
+        _folder(folder, "qwen3", YARN, "rope_scaling", positions=positions)
+        data = json.loads((folder / "config.json").read_text())
+        data.pop("rope_scaling")
+        (folder / "config.json").write_text(json.dumps(data))
+        cfg = load(["--model.name", "qwen3", "--model.flavor", "hf", "--model.rope_scaling", "yarn",
+                    "--model.rope_factor", "4"])  # fmt: skip
+        scaling = model_args(cfg.model, VOCAB, 256, folder).rope_scaling
+        assert (scaling.rope_type, scaling.original_max_position_embeddings) == ("yarn", original)

@@ -81,7 +81,7 @@ class Model:
     rope_original_context: int = setting(
         0,
         "yarn only: the context the model was pretrained at; 0 = the flavor's (Qwen3: 32,768 as in Qwen's recipe, "
-        "not its 40,960 positions) or the HF folder's max_position_embeddings",
+        "not its 40,960 positions; a released Qwen3 folder likewise) or the HF folder's max_position_embeddings",
         non_negative,
         "0 or a number > 0",
     )

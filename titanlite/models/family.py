@@ -44,6 +44,8 @@ class HFArchitecture:
     check: Callable[[dict, str], None] = no_extra_checks  # ConfigError for settings titanlite does not implement
     export_extras: dict = field(default_factory=dict)  # config.json keys an export adds for this class
     experts: HFExperts | None = None  # a Mixture-of-Experts architecture's expert names and keys
+    # max_position_embeddings -> the context pretraining used (YaRN's original context), where a release's differ
+    pretraining_contexts: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,7 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
         rope_scaling=rope_scaling,
         max_seq_len=min(context, 8192),
         context_length=context,
+        pretraining_context=arch.pretraining_contexts.get(context, 0),
         tie_embeddings=flag("tie_word_embeddings"),
         **moe,
     )

@@ -74,5 +74,6 @@ FAMILY = Family(
         default_head_dim=128,
         check=refuse_qwen_sliding_window,
         export_extras={"use_sliding_window": False, "sliding_window": None},
+        pretraining_contexts={40960: 32768},  # Qwen's YaRN recipe: original_max_position_embeddings 32768
     ),
 )

@@ -68,6 +68,7 @@ FAMILY = Family(
         model_type="qwen3_moe",
         qk_norm=True,  # no default_head_dim: Qwen3MoeConfig has no head_dim field (hidden_size / heads without one)
         check=refuse_unsupported,
+        pretraining_contexts={40960: 32768},  # Qwen's YaRN recipe: original_max_position_embeddings 32768
         export_extras={
             "use_sliding_window": False,
             "sliding_window": None,
