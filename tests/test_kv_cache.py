@@ -173,3 +173,17 @@ def test_a_tp_change_on_resume_is_listed():
     saved, now = load([]), load(["--parallelism.tensor_parallel_degree", "2"])
     lines = describe_changes(saved, now, 10, 80, None, 1e-3)
     assert lines == ["parallelism.tensor_parallel_degree: 1 -> 2: the model and optimizer are resharded"]
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_generation_projects_only_the_last_position(kv_cache):
+    """A long prompt never makes its whole (prompt x vocab) logits: generation projects the last position alone, and
+    its logits are the full forward's last row."""
+    model = _model()
+    prompt = torch.randint(0, 258, (1, 40), generator=torch.Generator().manual_seed(3), device=compute_device())
+    with torch.no_grad():
+        assert torch.allclose(model(prompt, last_only=True), model(prompt)[:, -1:], atol=1e-6)
+    rows = []
+    model.output.register_forward_hook(lambda m, inputs, out: rows.append(out.shape[1]))
+    generate(model, prompt[0].tolist(), 3, kv_cache=kv_cache)
+    assert rows == [1, 1, 1]

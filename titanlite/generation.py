@@ -333,9 +333,9 @@ def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_
     feed = tokens  # the prefill; then each new token alone
     while len(new) < max_new_tokens:
         if cache is None:
-            logits = model(torch.tensor([tokens[-max_len:]], dtype=torch.long, device=device))
+            logits = model(torch.tensor([tokens[-max_len:]], dtype=torch.long, device=device), last_only=True)
         else:
-            logits = model(torch.tensor([feed], dtype=torch.long, device=device), cache=cache)
+            logits = model(torch.tensor([feed], dtype=torch.long, device=device), cache=cache, last_only=True)
         logits = logits[0, -1].float()
         nxt = sample_next(logits, temperature, top_k, generator)
         if broadcast:  # rank 0 decides: every rank must feed identical tokens to the next forward

@@ -166,7 +166,10 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         labels: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
+        """Logits (batch, positions, vocab); the summed loss when given labels; last_only: the logits of the last
+        position alone (generation's next token: a long prompt never makes the whole (prompt x vocab) logits)."""
         rope, mask = self.rope, None
         if self.cp_group is not None and cache is None:  # this rank's two chunks of every sequence
             tokens, labels, rope, mask = self._context_parallel_part(tokens, labels, positions)
@@ -190,7 +193,7 @@ class Transformer(nn.Module):
             self.aux_loss_sum = aux_loss_sum(layers)
         if labels is not None:  # the summed loss, in chunks (see loss_chunk_tokens)
             return self.output(self.norm(h), labels)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h[:, -1:] if last_only else h))
 
     def training_rope_mask(self, positions: torch.Tensor | None, dtype: torch.dtype | None):
         """The rotation table and attention mask of a forward without cache or context parallelism: block-causal
