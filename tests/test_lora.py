@@ -184,7 +184,15 @@ def test_the_base_fingerprint_sees_every_byte_and_caches_by_file_state(tmp_path,
         f.write(b"x")
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     monkeypatch.undo()
-    assert fingerprint(tmp_path / "base")["tensors"] != now["tensors"]
+    changed = fingerprint(tmp_path / "base")
+    assert changed["tensors"] != now["tensors"]
+
+    from helpers import capture_logs
+
+    monkeypatch.setenv("TITANLITE_CACHE", str(weights / "cache"))  # below a file: the cache cannot be written
+    logs = capture_logs()
+    assert fingerprint(tmp_path / "base") == fingerprint(tmp_path / "base") == changed  # hashed, not cached
+    assert sum("cannot be written" in m and "set TITANLITE_CACHE" in m for m in logs) == 1  # said once
 
 
 def test_a_checkpoint_with_the_sampled_fingerprint_of_older_versions_still_resumes(tmp_path):

@@ -87,35 +87,64 @@ def _stamp(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
 
 
+def _read_cache(folder: Path) -> dict:
+    try:
+        cache = json.loads((folder / CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
 @contextlib.contextmanager
-def _locked_cache():
-    """The digest cache (a dict, written back on exit), held under a file lock; an empty, unsaved dict when the
-    cache folder cannot be written."""
+def _lock(folder: Path, name: str):
+    """An exclusive file lock `name` in the cache folder for the block; none where the folder or the file system
+    cannot lock (the block then runs unlocked: the worst case is a file hashed twice)."""
+    try:
+        import fcntl
+
+        handle = open(folder / name, "a")  # noqa: SIM115 (closed below)
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        with contextlib.suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _remember(folder: Path, key: str, entry: dict) -> None:
+    """Add one file's digest to the cache (read, update, replace under a short lock)."""
+    with _lock(folder, CACHE_FILE + ".lock"):
+        cache = _read_cache(folder)
+        cache[key] = entry
+        for gone in [k for k in cache if not os.path.exists(k)]:  # files deleted since: forget them
+            del cache[gone]
+        with contextlib.suppress(OSError):
+            tmp = folder / f"{CACHE_FILE}.{os.getpid()}"
+            tmp.write_text(json.dumps(cache) + "\n")
+            os.replace(tmp, folder / CACHE_FILE)
+
+
+_warned_unwritable: list[Path] = []
+
+
+def _writable_cache_dir() -> Path | None:
+    """The cache folder, made if needed; None (with one warning) when it cannot be written."""
     folder = _cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        lock = open(folder / (CACHE_FILE + ".lock"), "a")  # noqa: SIM115 (closed below)
-    except OSError:
-        yield {}
-        return
-    import fcntl
-
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            cache = json.loads((folder / CACHE_FILE).read_text())
-            cache = cache if isinstance(cache, dict) else {}
-        except (OSError, ValueError):
-            cache = {}
-        before = dict(cache)
-        yield cache
-        if cache != before:
-            for gone in [k for k in cache if not os.path.exists(k)]:  # files deleted since: forget them
-                del cache[gone]
-            with contextlib.suppress(OSError):
-                tmp = folder / f"{CACHE_FILE}.{os.getpid()}"
-                tmp.write_text(json.dumps(cache) + "\n")
-                os.replace(tmp, folder / CACHE_FILE)
+        probe = folder / f".probe.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+        return folder
+    except OSError as e:
+        if folder not in _warned_unwritable:
+            _warned_unwritable.append(folder)
+            logger.warning(
+                f"The LoRA base fingerprint cache {folder} cannot be written ({e.strerror}): every start hashes the "
+                f"whole base again; set TITANLITE_CACHE to a writable folder"
+            )
+        return None
 
 
 def hash_threads() -> int:
@@ -125,27 +154,43 @@ def hash_threads() -> int:
 
 
 def file_digests(files: list[Path]) -> dict[str, str]:
-    """SHA-256 (in blocks, see _hash_file) of each file by name, from the cache where the file is unchanged."""
+    """SHA-256 (in blocks, see _hash_file) of each file by name, from the cache where the file is unchanged. A file
+    not in the cache is hashed under a lock of its own, so ranks of a node hash it once and jobs whose bases are
+    cached never wait for another job's hashing."""
     out: dict[str, str] = {}
-    with _locked_cache() as cache, ThreadPoolExecutor(max_workers=hash_threads()) as pool:
-        t0, hashed = time.perf_counter(), 0
+    folder = _writable_cache_dir()
+    cache = _read_cache(folder) if folder is not None else {}
+    t0, hashed = time.perf_counter(), 0
+    with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
         for f in files:
-            key = str(f.resolve())
-            st = f.stat()
-            entry = cache.get(key)
-            if isinstance(entry, dict) and entry.get("stamp") == _stamp(st):
-                out[f.name] = entry["sha256"]
-                continue
-            out[f.name] = _hash_file(f, pool)
-            hashed += st.st_size
-            if _stamp(f.stat()) == _stamp(st) and time.time() - max(st.st_mtime, st.st_ctime) > RACY_SECONDS:
-                cache[key] = {"stamp": _stamp(st), "sha256": out[f.name]}
-        if hashed > 1 << 30:
-            logger.info(
-                f"Fingerprinted {hashed / 1e9:.1f} GB of LoRA base weights in {time.perf_counter() - t0:.1f} s "
-                f"(cached in {_cache_dir() / CACHE_FILE}: the next start reads nothing)"
-            )
+            key, st = str(f.resolve()), f.stat()
+            if (digest := _cached(cache, key, st)) is None and folder is not None:
+                lock = f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.lock"
+                with _lock(folder, lock):
+                    digest = _cached(_read_cache(folder), key, st)  # another rank may have hashed it meanwhile
+                    if digest is None:
+                        digest, hashed = _hash_and_remember(f, key, st, pool, folder), hashed + st.st_size
+            elif digest is None:
+                digest, hashed = _hash_file(f, pool), hashed + st.st_size
+            out[f.name] = digest
+    if hashed > 1 << 30:
+        logger.info(
+            f"Fingerprinted {hashed / 1e9:.1f} GB of LoRA base weights in {time.perf_counter() - t0:.1f} s "
+            f"(cached in {_cache_dir() / CACHE_FILE}: the next start reads nothing)"
+        )
     return out
+
+
+def _cached(cache: dict, key: str, st: os.stat_result) -> str | None:
+    entry = cache.get(key)
+    return entry["sha256"] if isinstance(entry, dict) and entry.get("stamp") == _stamp(st) else None
+
+
+def _hash_and_remember(f: Path, key: str, st: os.stat_result, pool, folder: Path) -> str:
+    digest = _hash_file(f, pool)
+    if _stamp(f.stat()) == _stamp(st) and time.time() - max(st.st_mtime, st.st_ctime) > RACY_SECONDS:
+        _remember(folder, key, {"stamp": _stamp(st), "sha256": digest})
+    return digest
 
 
 def _read_json(path: Path):
