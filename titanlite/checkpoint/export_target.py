@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from titanlite.checkpoint.catalog import STEP_PREFIX
+from titanlite.checkpoint.catalog import STEP_PREFIX, step_folders
 from titanlite.errors import ConfigError
 
 # What makes a folder "hold a model" (weights, its config or its tokenizer).
@@ -39,6 +39,12 @@ def shown(path: Path) -> Path:
     return path.with_name(m.group(1)) if m else path
 
 
+def _looks_like_a_step(output: Path) -> bool:
+    """Whether `output` is named step-N (or .tmp-step-N) in a folder that holds step-N checkpoints."""
+    step_name = re.fullmatch(r"(\.tmp-)?" + re.escape(STEP_PREFIX) + r"\d+", output.name)
+    return bool(step_name) and any(step_folders(output.absolute().parent).values())
+
+
 def _step_folder_holding(output: Path) -> Path | None:
     """The checkpoint folder (a step-N folder, or any DCP checkpoint) that `output` would be inside: retention
     (checkpoint.keep_latest_k) deletes such folders whole."""
@@ -58,6 +64,11 @@ def check_target(output: Path, folder: bool, overwrite: bool, checkpoint: Path |
         raise ConfigError(
             f"--output {output} is {what} being exported (--checkpoint {checkpoint}): the export would replace "
             f"it; choose another --output"
+        )
+    if _looks_like_a_step(output):
+        raise ConfigError(
+            f"--output {output} is named as a checkpoint step beside the step-N folders of {output.absolute().parent}: "
+            "retention would count and delete it as one, and a resume would read it; choose another name"
         )
     if (step := _step_folder_holding(output)) is not None:
         raise ConfigError(
