@@ -148,9 +148,9 @@ def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
 def settle_lora(cfg: JobConfig, checkpoint: Path | None, given: set[str], vocab_size: int) -> None:
     """Make cfg's [lora] what the adapters were trained with: a LoRA checkpoint's own [lora] (and its recorded base
     as checkpoint.initial_load_path), or a peft folder's settings (lora.initial_adapter_path) on a HuggingFace base
-    (a titanlite base is refused: export it as HF first). `given`: the section.key names the command line set. ConfigError naming both values when the
-    command line gives another rank, alpha or targets; when lora.enable = true has no adapters to read; when the
-    recorded base is gone or changed."""
+    (a titanlite base is refused: export it as HF first). `given`: the section.key names the command line set.
+    ConfigError naming both values when the command line gives another rank, alpha or targets; when lora.enable =
+    true has no adapters to read; when the recorded base is gone or changed."""
     lora = cfg.lora
     if checkpoint is not None and not is_hf_folder(checkpoint) and read_lora_base(checkpoint) is not None:
         base = lora_base_of(checkpoint)  # names the base when it moved or changed
