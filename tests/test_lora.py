@@ -248,6 +248,25 @@ def test_peft_settings_titanlite_cannot_honour_are_named(tmp_path, kw, named):
     assert named in str(e.value) and "valid:" in str(e.value), str(e.value)
 
 
+def test_peft_settings_titanlite_does_not_know_are_refused(tmp_path):
+    """Activated LoRA (adapters after invocation tokens only) and a key of a future peft: refused, not ignored."""
+    import json
+
+    from titanlite.checkpoint.lora_io import peft_settings
+    from titanlite.errors import ConfigError
+
+    folder, args = _peft_adapter(tmp_path, "alora", target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5, 6])
+    with pytest.raises(ConfigError, match=r"alora_invocation_tokens = \[5, 6\] \(Activated LoRA"):
+        peft_settings(folder, args)
+    folder, args = _peft_adapter(tmp_path, "future", target_modules=["q_proj", "v_proj"])
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "use_hyper_lora": True}))
+    with pytest.raises(ConfigError, match="sets use_hyper_lora = True, a peft setting titanlite does not know"):
+        peft_settings(folder, args)
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "use_hyper_lora": False}))
+    assert peft_settings(folder, args)["rank"] == 4  # unset or false: nothing changes what the adapters compute
+
+
 def test_the_fingerprint_benchmark_runs_at_a_tiny_size(tmp_path):
     from helpers import run_benchmark
 

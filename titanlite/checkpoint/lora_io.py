@@ -132,10 +132,35 @@ UNSUPPORTED_PEFT_KEYS = {
     "trainable_token_indices": ("trained embedding rows", "null"),
     "target_parameters": ("adapters on parameters such as an MoE's experts", "null"),
     "bias": ("trained biases of the base's projections", "'none'"),
+    "alora_invocation_tokens": ("Activated LoRA: adapters on the tokens after the invocation only", "null"),
+    "use_qalora": ("QA-LoRA's pooled inputs", "false"),
+    "use_bdlora": ("block-diagonal adapters", "null"),
+    "arrow_config": ("Arrow's routing among adapters", "null"),
+    "monteclora_config": ("MonteCLoRA's sampled adapters", "null"),
+    "kasa_config": ("KaSA's singular-value adapters", "null"),
+    "velora_config": ("VeLoRA's compressed activations", "null"),
 }
+# adapter_config.json keys that do not change what the saved adapters compute: read (r, lora_alpha, the targets,
+# exclude_modules), training-only (dropout), initialisation only (the *_config of init methods), or bookkeeping.
+# Any other key with a value set is refused: a peft feature titanlite does not know may change the forward.
+KNOWN_HARMLESS_PEFT_KEYS = {
+    "r", "lora_alpha", "target_modules", "exclude_modules", "lora_dropout", "task_type", "peft_type", "auto_mapping",
+    "peft_version", "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights", "layers_pattern",
+    "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+    "qalora_group_size", "runtime_config", "ensure_weight_tying",
+}  # fmt: skip
 
 
 def _check_supported(folder: Path, config: dict) -> None:
+    unknown = [k for k, v in config.items() if k not in KNOWN_HARMLESS_PEFT_KEYS | UNSUPPORTED_PEFT_KEYS.keys() and v]
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(
+            f"lora.initial_adapter_path = {str(folder)!r}: {PEFT_CONFIG} sets {key} = {config[key]!r}, a peft setting "
+            "titanlite does not know (it may change what the adapters compute); valid: the key unset, null or false "
+            "(titanlite reads r, lora_alpha and the adapted projections; one rank and alpha on the same projections "
+            "of every block)"
+        )
     for key, (what, valid) in UNSUPPORTED_PEFT_KEYS.items():
         value = config.get(key)
         if value not in (None, "none") if key == "bias" else bool(value):
