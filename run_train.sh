@@ -97,9 +97,10 @@ else
     TITANLITE_EXIT_STATUS_FILE=""
 fi
 
-# torchrun (titanlite.cli.launch: torchrun's entry point with titanlite's endings) runs in a session of its own, so that a terminal's Ctrl-C reaches only this script, which passes
-# each signal on once; a second Ctrl-C kills the whole session. It is killed with this script however the
-# script dies (kill -9 too), and its workers follow within a second.
+# torchrun (titanlite.cli.launch: torchrun's entry point with titanlite's endings and the hang watch, which runs
+# there so that a frozen worker cannot stop it) runs in a session of its own, so that a terminal's Ctrl-C reaches
+# only this script, which passes each signal on once; a second Ctrl-C kills the whole session. It is killed with
+# this script however the script dies (kill -9 too), and the kernel kills its workers with it, frozen ones too.
 python -m titanlite.cli.own_session $$ python -m titanlite.cli.launch --nnodes="$NNODES" --nproc_per_node="$NGPU" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" \
     --max-restarts="$MAX_RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \

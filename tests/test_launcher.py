@@ -102,8 +102,7 @@ def test_one_job_per_dump_folder_and_no_orphans(tmp_path):
         assert waited < 10
     finally:
         stop_job(first)
-    text = log.read_text()
-    assert "The launcher (pid" in text and "is gone: exiting now, without a checkpoint" in text
+    # the kernel ends them with their launcher (PR_SET_PDEATHSIG): no checkpoint, and no time for a last line
     assert not list((tmp_path / "job" / "checkpoint").glob("step-*"))  # no checkpoint written on the way out
     # the lock of the dead job is stale: the next job takes it over and runs
     third = _launch([*argv, "--training.steps", "2"], NGPU="2", LOG_RANK="0")
@@ -240,6 +239,7 @@ def test_kill_9_of_run_train_sh_stops_the_whole_job(tmp_path):
         job = _descendants(proc.pid)  # torchrun (in a session of its own) and its 2 workers
         assert len(job) >= 3, job
         saved = {p.name for p in (tmp_path / "job" / "checkpoint").glob("step-*")}
+        os.kill(job[-1], signal.SIGSTOP)  # a frozen worker runs no watchdog: only the kernel can end it
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         waited = _wait_until_gone(job, 20)

@@ -424,3 +424,26 @@ def test_dump_folder_lock_refuses_a_live_job_even_when_both_start_at_once(tmp_pa
         lock.release()
         assert not (tmp_path / run_control.LOCK_NAME).exists()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_compiler_probe_reports_only_a_missing_compiler(monkeypatch):
+    """Only inductor's 'no C++ compiler' error means there is none: any other error of the probe propagates, so a
+    test that should run never skips (nor a job is refused) because of a bug."""
+    import torch._inductor.cpp_builder as cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    from titanlite.compat import cpp_compiler_error
+
+    def raises(error):
+        def probe():
+            raise error
+
+        return probe
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", raises(InvalidCxxCompiler()))
+    assert isinstance(cpp_compiler_error(), InvalidCxxCompiler)
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", raises(AttributeError("no attribute 'cxx'")))
+    with pytest.raises(AttributeError, match="no attribute 'cxx'"):
+        cpp_compiler_error()
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "g++")
+    assert cpp_compiler_error() is None

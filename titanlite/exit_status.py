@@ -2,8 +2,9 @@
 
 run_train.sh sets TITANLITE_EXIT_STATUS_FILE. Rank 0 writes there whether the run finished or stopped after a
 stop signal (torchrun exits 1 after it forwarded a signal even when every worker saved and exited 0). A rank
-that ends with a user error (a ConfigError) or that finds the job hung writes `<file>.<rank>` with its message,
-so the launcher can print it once and exit 2 (or 1), without torchrun's failure dump. Nothing here may turn a
+that ends with a user error (a ConfigError), a run that failed (a non-finite loss) or a watch that finds the job
+hung writes `<file>.<rank>` with its message, so the launcher can print it once and exit 2 (or 1), without
+torchrun's failure dump. Nothing here may turn a
 finished run into a failed one: a status that cannot be written (a full or read-only temp folder) is a warning.
 """
 
@@ -47,12 +48,19 @@ def record_end(status: str, step: int) -> None:
 
 
 def record_failure(kind: str, message: str, rank: int) -> bool:
-    """A rank ends with a user error ('config_error') or found the job hung ('hung'); False when no launcher
-    asked or the record could not be written (then the caller prints the message itself)."""
+    """A rank ends with a user error ('config_error'), a failed run ('failed'), or a watch found the job hung
+    ('hung'); False when no launcher asked or the record could not be written (then the caller prints it itself)."""
     path = os.environ.get(ENV)
     if not path:
         return False
     return _write(Path(f"{path}.{rank}"), {"status": kind, "rank": rank, "message": message})
+
+
+def report_failure(message: str) -> None:
+    """Tell why the run failed (a non-finite loss, a checkpoint that could not be saved) once: to the launcher that
+    asked (it prints the lowest rank's, without torchrun's failure table), else in the log."""
+    if not record_failure("failed", message, int(os.environ.get("RANK", "0"))):
+        logger.error(message)
 
 
 def report_user_error(message: str, every_rank_alike: bool = False) -> None:

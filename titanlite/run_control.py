@@ -4,20 +4,23 @@
   the dump folder and on the checkpoint folder (wherever it is); a second job on either is refused, naming the
   first; a lock whose holder is gone (dead pid on this host, or no heartbeat for `STALE_AFTER` seconds) is
   taken over with a warning.
-- `LauncherWatchdog`: a thread that notices when the process's parent (torchrun) is gone and ends
-  the process at once, without a checkpoint, instead of training on as an orphan.
+- `die_with_launcher`: under torchrun (Linux), the kernel kills a worker the moment its launcher dies, a frozen
+  worker too; `LauncherWatchdog`: a thread that notices when the process's parent (torchrun) is gone and ends
+  the process at once, without a checkpoint, instead of training on as an orphan (where the kernel cannot).
 - `StopSignals`: SIGTERM, SIGUSR1, SIGHUP and SIGINT ask for a save at the end of the step and a clean
   exit; a second Ctrl-C (SIGINT more than a second after the first) exits at once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +35,21 @@ LOCK_NAME = ".titanlite.lock"
 STALE_AFTER = 600.0  # seconds without a heartbeat after which another host's lock is taken over
 HEARTBEAT_EVERY = 60.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+PR_SET_PDEATHSIG = 1  # Linux prctl
+
+
+def die_with_launcher() -> None:
+    """Under torchrun on Linux: the kernel SIGKILLs this worker the moment its launcher dies, however it dies, even
+    while the worker is frozen (a stopped process runs no thread: the LauncherWatchdog cannot end it)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return  # the watchdog still ends a live orphan
+    if os.getppid() != launcher:  # it died before the signal was armed
+        os._exit(1)
 
 
 def _run_id() -> str:

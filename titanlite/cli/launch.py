@@ -3,10 +3,15 @@
 
 It runs torchrun's own entry point (`torch.distributed.run.main`) in this process; what changes is how a failed
 job ends. When a worker recorded a user error (titanlite.exit_status), its message is printed once and the exit
-status is 2, with no ChildFailedError dump and no closing-signal log lines; when a worker found the job hung,
-its report is printed and the exit status is 1; any other failure prints torchrun's failure table (which rank,
-exit code, signal) without torchrun's own traceback, and exits 1. A stop signal (Ctrl-C, a scheduler's SIGTERM)
-ends with status 0 when the workers saved a checkpoint after it, else with one line and 128 + the signal.
+status is 2, with no ChildFailedError dump and no closing-signal log lines; when a run failed (a non-finite loss)
+or the watch found the job hung, the message is printed once and the exit status is 1; any other failure prints
+torchrun's failure table (which rank, exit code, signal) without torchrun's own traceback, and exits 1. A stop
+signal (Ctrl-C, a scheduler's SIGTERM) ends with status 0 when the workers saved a checkpoint after it, else with
+one line and 128 + the signal.
+
+This process also watches its workers' progress (titanlite.hang_watch.LauncherWatch): a worker that freezes cannot
+stop a watch that runs here, so a hung job (a one-process one too) ends with its report, and a fault-tolerant group
+with a frozen rank leaves the job so that the other groups go on.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 import tempfile
 
 from titanlite.exit_status import ENV, read_outcome
+from titanlite.hang_watch import LauncherWatch
 
 
 class _HideAfterUserError(logging.Filter):
@@ -48,6 +54,21 @@ def _stopped(e) -> int:
     return 128 + int(e.sigval)
 
 
+def _failed(table) -> int:
+    """The exit status and message of a failed job: what a worker recorded (a user error: 2; a failed run or a hang
+    found by the watch: 1), else torchrun's failure table (status 1)."""
+    failure = read_outcome(os.environ.get(ENV)).first_failure()
+    if failure is None:
+        print(f"torchrun: a worker failed\n{table}", file=sys.stderr)
+        return 1
+    where = f" (rank {failure['rank']})" if failure["rank"] else ""
+    if failure.get("status") == "config_error":
+        print(f"config error{where}: {failure['message']}", file=sys.stderr)
+        return 2
+    print(f"error{where}: {failure['message']}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with these arguments; returns the job's exit status (0, 1, or 2 for a user error)."""
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -66,21 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     torch_loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch")]
     for handler in {h for logger in [logging.getLogger(), *torch_loggers] for h in logger.handlers}:
         handler.addFilter(hide)
+    watch = LauncherWatch(os.environ[ENV]).start()
     try:
         torchrun(argv)
     except SignalException as e:  # a user's or scheduler's stop: one line and its own status, no traceback
         return _stopped(e)
     except ChildFailedError as e:
-        failure = read_outcome(os.environ.get(ENV)).first_failure()
-        if failure is None:
-            print(f"torchrun: a worker failed\n{e}", file=sys.stderr)
-            return 1
-        where = f" (rank {failure['rank']})" if failure["rank"] else ""
-        if failure.get("status") == "config_error":
-            print(f"config error{where}: {failure['message']}", file=sys.stderr)
-            return 2
-        print(f"error{where}: {failure['message']}", file=sys.stderr)
-        return 1
+        return _failed(e)
+    finally:
+        watch.stop()
     return 0
 
 
