@@ -304,6 +304,8 @@ LORA = [
          ("fault_tolerance.replica_id = 2", "group_count = 2", "0 to 1")),
     Case("ft-min-replicas-beyond-the-groups", "config", "train", train(*FT, "--fault_tolerance.min_replicas", "3"),
          ("fault_tolerance.min_replicas = 3", "1 to 2")),
+    Case("ft-timeout-that-cannot-work", "numeric", "train", train(*FT, "--fault_tolerance.timeout_seconds", "0.001"),
+         ("fault_tolerance.timeout_seconds = 0.001", "from 1 to 604800")),
     Case("ft-with-a-replicate-degree", "config", "dry_run",
          ("--world-size", "2", *FT, "--parallelism.data_parallel_replicate_degree", "2"),
          ("parallelism.data_parallel_replicate_degree = 2", "across groups")),

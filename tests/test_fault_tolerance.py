@@ -6,13 +6,17 @@ restarted it heals from the live group: both end with bit-identical weights.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 import types
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -52,6 +56,38 @@ def _group_argv(tmp: Path, group: int, lighthouse, *extra) -> list[str]:
         "--fault_tolerance.replica_id", str(group), "--fault_tolerance.lighthouse", lighthouse.address(),
         "--fault_tolerance.timeout_seconds", "3", *extra,
     )  # fmt: skip
+
+
+class _LighthouseProcess:
+    """A lighthouse in a process of its own, that can die (SIGKILL) and be restarted at the same address."""
+
+    def __init__(self):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            self.port = s.getsockname()[1]
+        self.proc = None
+        self.start()
+
+    def start(self):
+        code = (
+            "import signal; from torchft._torchft import LighthouseServer; "
+            f"s = LighthouseServer(bind='[::]:{self.port}', min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50, "
+            "heartbeat_timeout_ms=1500); print('up', flush=True); signal.sigwait([signal.SIGTERM])"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self.proc.stdout.readline().strip() == b"up"
+
+    def address(self) -> str:
+        return f"http://localhost:{self.port}"
+
+    def restart(self, after: float = 1.0):
+        self.shutdown()
+        time.sleep(after)
+        self.start()
+
+    def shutdown(self):
+        self.proc.kill()
+        self.proc.wait()
 
 
 def _steps(log: Path) -> list[tuple[int, float, int]]:
@@ -101,6 +137,7 @@ def test_two_groups_give_hsdps_losses(tmp_path):
         run_both()
         first = {g: (_steps(log), _scalars(tmp_path / f"group{g}")) for g, log in enumerate(logs)}
         at_10 = [_tensors(load_everything(tmp_path / f"group{g}" / "checkpoint" / "step-10")["model"]) for g in (0, 1)]
+        stopped = _stopped_while_waiting(tmp_path, lighthouse, env, *extra)
         # The whole job resumed from disk, group 1 from an older checkpoint: it heals from group 0's step 10.
         shutil.rmtree(tmp_path / "group1" / "checkpoint" / "step-10")
         run_both("--training.steps", "12")
@@ -108,6 +145,8 @@ def test_two_groups_give_hsdps_losses(tmp_path):
     finally:
         lighthouse.shutdown()
     assert "healed from a live group at step 10" in resumed[1] and "healed" not in resumed[0], resumed[1][-3000:]
+    assert stopped.returncode == 0 and "Stopped by a stop signal while waiting" in stopped.log, stopped.log[-3000:]
+    assert "Replacing" not in stopped.log and stopped.seconds < 25  # step-10 kept as it was; not torchrun's SIGKILL
     final = [_tensors(load_everything(tmp_path / f"group{g}" / "checkpoint" / "step-12")) for g in (0, 1)]
     assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
     for g in (0, 1):
@@ -122,6 +161,21 @@ def test_two_groups_give_hsdps_losses(tmp_path):
         assert {k.lstrip(".") for k in weights} == set(ref_weights)
         for k, w in weights.items():
             torch.testing.assert_close(w, ref_weights[k.lstrip(".")], rtol=0, atol=1e-5, msg=k)
+
+
+def _stopped_while_waiting(tmp_path, lighthouse, env, *extra):
+    """Item 9: group 0 alone, resumed at step 10 of 12 and waiting for min_replicas = 2, gets a scheduler's SIGTERM
+    (through titanlite's launcher, as run_train.sh starts it): it exits 0 at once, its checkpoint of step 10 kept."""
+    log = tmp_path / "group0-stopped.log"
+    cmd = torchrun_cmd(*_group_argv(tmp_path, 0, lighthouse, *extra, "--training.steps", "12"), nproc=1)
+    cmd[cmd.index("torch.distributed.run")] = "titanlite.cli.launch"
+    with job(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT) as proc:
+        _wait_for(log, lambda _, text: "Resuming from" in text, "the resume")
+        time.sleep(1)  # in the quorum loop by now
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    return types.SimpleNamespace(returncode=code, log=log.read_text(), seconds=time.time() - sent)
 
 
 def _running_with(text: str) -> list[int]:
@@ -160,7 +214,8 @@ def _wait_for(log: Path, pred, what: str, timeout: float = 120):
 
 @pytest.mark.slow
 def test_a_killed_group_is_dropped_and_heals_when_restarted(tmp_path):
-    lighthouse = _lighthouse()
+    """Also (issue 41, item 12): the lighthouse dies and is restarted at its address; both groups go on."""
+    lighthouse = _LighthouseProcess()
     env = faults_env("", TITANLITE_STEP_PAUSE="0.05")  # a pace: the survivor must still run when the group is back
     steps = "300"
     extra = (
@@ -171,6 +226,8 @@ def test_a_killed_group_is_dropped_and_heals_when_restarted(tmp_path):
         steps,
         "--metrics.log_freq",
         "1",
+        "--fault_tolerance.quorum_timeout_seconds",
+        "10",  # a quorum asked of a dead lighthouse fails after it
     )
     logs = {g: tmp_path / f"group{g}.log" for g in (0, 1)}
 
@@ -182,6 +239,10 @@ def test_a_killed_group_is_dropped_and_heals_when_restarted(tmp_path):
         with start(0) as g0:
             with start(1) as g1:
                 _wait_for(logs[1], lambda s, _: sum(r == 2 for *_, r in s) >= 3, "both groups stepping")
+                lighthouse.restart()
+                stepped = len(_steps(logs[1]))
+                _wait_for(logs[1], lambda s, text: "lighthouse at" in text and len(s) > stepped + 2 and s[-1][2] == 2,
+                          "both groups stepping after the lighthouse's restart", timeout=60)  # fmt: skip
                 killed_at = time.time()
                 os.kill(_worker_of(g1), signal.SIGKILL)
                 g1.wait(timeout=60)
@@ -230,48 +291,244 @@ class _SumWith:
         return None
 
 
-def _groups(cfg, other_vector):
-    from titanlite.fault_tolerance import ReplicaGroups, shared_fingerprint
+class _Checkpointer:
+    """A stand-in for the checkpoint manager: records the steps saved."""
+
+    def __init__(self, requested=False):
+        self.enabled, self.saved_steps, self.saved, self.preempted = True, set(), [], False
+        self.signals = types.SimpleNamespace(requested=requested)
+
+    def save(self, step):
+        self.saved.append(step)
+
+
+def _groups(cfg, other=None, step=0, lighthouse=""):
+    """A ReplicaGroups of `cfg` at `step` without torchft (its manager adds `other`'s step vector)."""
+    from titanlite.fault_tolerance import ReplicaGroups
+    from titanlite.parallel.ft import settings_slots, shared_settings
 
     rg = ReplicaGroups.__new__(ReplicaGroups)
-    rg.cfg, rg.ft, rg.participants = cfg, cfg.fault_tolerance, 2
-    rg.env = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
-    rg.fingerprint = shared_fingerprint(cfg, 1)
-    rg.manager = _SumWith(other_vector)
+    rg.cfg, rg.ft, rg.participants, rg.name = cfg, cfg.fault_tolerance, 2, f"titanlite_{cfg.fault_tolerance.replica_id}"
+    rg.ft.lighthouse = lighthouse
+    rg.env = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    rg.settings = shared_settings(cfg, 1)
+    rg.slots = torch.tensor(settings_slots(rg.settings), dtype=torch.float64)
+    rg.weights, rg.quorum_seen, rg.finished_peers, rg.resumed_step, rg.healed_at = 0, None, [], 0, []
+    rg.trainer = types.SimpleNamespace(
+        step=step, checkpointer=_Checkpointer(), check_finite=lambda: None, model=torch.nn.Linear(2, 2)
+    )
+    rg.manager = _SumWith(other)
     return rg
 
 
-def _vector(cfg, tokens=100.0):
-    from titanlite.fault_tolerance import shared_fingerprint
-
-    v = torch.zeros(cfg.fault_tolerance.group_count + 2, dtype=torch.float64)
-    v[0], v[1 + cfg.fault_tolerance.replica_id], v[-1] = tokens, 1, shared_fingerprint(cfg, 1)
-    return v
+def _vector(cfg, tokens=100.0, weights=0):
+    peer = _groups(cfg)
+    peer.weights = weights
+    return peer.step_vector(torch.tensor(tokens))
 
 
-def test_each_step_checks_the_groups_ids_and_settings_in_the_token_sum():
+FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2"]
+
+
+def test_each_step_checks_the_groups_ids_settings_and_weights_in_the_token_sum():
+    """The groups' replica ids, each shared setting (named when it differs, also group_count: item 21's vector has
+    one size whatever the settings) and, after a quorum change, the weights (item 6) are checked in the token sum."""
     from titanlite.config import ConfigError, load
 
-    ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2"]
-    me = load(ft + ["--fault_tolerance.replica_id", "0"])
-    peer = load(ft + ["--fault_tolerance.replica_id", "1", "--job.dump_folder", "elsewhere"])  # may differ
+    me = load(FT + ["--fault_tolerance.replica_id", "0"])
+    peer = load(FT + ["--fault_tolerance.replica_id", "1", "--job.dump_folder", "elsewhere"])  # may differ
     assert _groups(me, _vector(peer, 50.0)).global_tokens(torch.tensor(100)).item() == 150
     with pytest.raises(ConfigError, match=r"fault_tolerance.replica_id = 0 is used by 2 live groups"):
         _groups(me, _vector(me)).global_tokens(torch.tensor(100))
-    other = load(ft + ["--fault_tolerance.replica_id", "1", "--training.seq_len", "1024"])
-    with pytest.raises(ConfigError, match=r"differ in their world size or in a setting"):
-        _groups(me, _vector(other)).global_tokens(torch.tensor(100))
+    for flag, value, key in (
+        ("--training.seq_len", "1024", r"training.seq_len \(here 256\)"),
+        ("--fault_tolerance.group_count", "3", r"fault_tolerance.group_count \(here 2\)"),
+        ("--checkpoint.initial_load_path", "/some/base", r"checkpoint.initial_load_path \(here \"\"\)"),
+    ):
+        other = load(FT + ["--fault_tolerance.replica_id", "1", flag, value])
+        with pytest.raises(ConfigError, match=r"the live replica groups differ in (one of )?.*" + key):
+            _groups(me, _vector(other)).global_tokens(torch.tensor(100))
+    same, changed = _groups(me, _vector(peer, weights=1234)), _groups(me, _vector(peer, weights=4321))
+    same.weights = changed.weights = 1234
+    assert same.global_tokens(torch.tensor(100)).item() == 200
+    with pytest.raises(ConfigError, match=r"hold different weights at step 1 .*empty checkpoint folder"):
+        changed.global_tokens(torch.tensor(100))
 
 
-def test_a_step_waits_for_min_replicas_and_then_fails_with_a_message():
+def test_weights_fingerprint_sees_one_changed_bit_and_healing_refuses_other_settings():
+    from titanlite.config import ConfigError, load
+    from titanlite.parallel.ft import weights_fingerprint
+
+    a = [torch.randn(5, 3), torch.randn(7, dtype=torch.bfloat16)]
+    b = [t.clone() for t in a]
+    assert weights_fingerprint(a) == weights_fingerprint(b)
+    b[1].view(torch.int16)[3] ^= 1
+    assert weights_fingerprint(a) != weights_fingerprint(b)
+    me, other = load(FT), load(FT + ["--training.seq_len", "1024"])
+    state = {"settings": _groups(other).settings}
+    with pytest.raises(ConfigError, match=r"cannot heal .* training.seq_len \(here 256, there 1024\)"):
+        _groups(me)._load(state)
+
+
+def _waiting(cfg, quorums, on_quorum=None, step=6):
+    rg = _groups(cfg, step=step)
+
+    def start_quorum():
+        quorums.append(1)
+        if on_quorum:
+            on_quorum(len(quorums))
+
+    rg.manager = types.SimpleNamespace(start_quorum=start_quorum, num_participants=lambda: 1)
+    return rg
+
+
+WAIT = FT + ["--fault_tolerance.min_replicas", "2", "--fault_tolerance.quorum_timeout_seconds", "1"]
+
+
+def test_a_step_waits_for_min_replicas_then_saves_and_stops_with_a_message():
+    from titanlite.config import load
+    from titanlite.errors import ReplicaGroupsError
+
+    quorums = []
+    rg = _waiting(load(WAIT), quorums)
+    with pytest.raises(ReplicaGroupsError, match=r"only 1 of the fault_tolerance.min_replicas = 2 .* step 6 .* saved"):
+        rg.begin_step()
+    assert len(quorums) > 1 and rg.trainer.checkpointer.saved == [6]  # it asked again; then saved what it had
+
+
+def test_a_stop_signal_while_waiting_for_a_quorum_saves_the_committed_step(caplog):
+    """Item 9: a SIGTERM that comes while the group waits for min_replicas saves step 6 and stops (status 0)."""
     from titanlite.config import load
 
-    cfg = load(["--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2",
-                "--fault_tolerance.min_replicas", "2", "--fault_tolerance.quorum_timeout_seconds", "0.3"])  # fmt: skip
-    rg = _groups(cfg, None)
     quorums = []
-    rg.manager = types.SimpleNamespace(start_quorum=lambda: quorums.append(1), num_participants=lambda: 1)
-    rg.trainer = types.SimpleNamespace(step=0)
-    with pytest.raises(RuntimeError, match=r"only 1 of the fault_tolerance.min_replicas = 2 replica groups are live"):
+    rg = _waiting(load(WAIT), quorums, lambda n: n == 3 and setattr(rg.trainer.checkpointer.signals, "requested", 1))
+    assert rg.begin_step() is True
+    ckpt = rg.trainer.checkpointer
+    assert ckpt.saved == [6] and ckpt.preempted and len(quorums) == 3
+    assert "Stopped by a stop signal while waiting" in caplog.text
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_a_lost_lighthouse_is_waited_for_then_the_group_saves_and_stops():
+    """Item 12: a quorum that fails (the lighthouse died) is asked again once a lighthouse answers at the same
+    address; when none does within quorum_timeout_seconds, the group saves what was committed and stops with one
+    message (not torchft's TimeoutError)."""
+    from torchft._torchft import LighthouseServer
+
+    from titanlite.config import load
+    from titanlite.errors import ReplicaGroupsError
+
+    port = _port()
+
+    def fail_first(n):
+        if n == 1 or rg.manager._quorum_future == "failed":  # as torchft 0.2.0: a failed quorum fails every later one
+            rg.manager._quorum_future = "failed"
+            raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+
+    quorums = []
+    rg = _waiting(load(FT + ["--fault_tolerance.quorum_timeout_seconds", "3"]), quorums, fail_first)
+    rg.ft.lighthouse = f"localhost:{port}"  # item 22: without http://
+    lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=1)
+    try:
+        assert rg.begin_step() is False and len(quorums) == 2
+    finally:
+        lighthouse.shutdown()
+    quorums.clear()
+    rg.manager.start_quorum = lambda: (_ for _ in ()).throw(TimeoutError("Timeout expired"))
+    with pytest.raises(ReplicaGroupsError, match=rf"lighthouse at http://localhost:{port} did not answer .* step 6"):
         rg.begin_step()
-    assert len(quorums) > 1  # it asked again instead of computing a step that could not be committed
+    assert rg.trainer.checkpointer.saved == [6]
+
+
+def test_the_lighthouse_check_takes_host_port_and_refuses_what_is_not_a_lighthouse():
+    """Item 22: `host:port` gets its http:// (torchft needs it); item 12: an address that answers HTTP but is no
+    lighthouse is refused before launch."""
+    import http.server
+    import threading
+
+    from titanlite.config import load
+    from titanlite.parallel.ft import lighthouse_address, lighthouse_problem
+
+    lighthouse = _lighthouse()
+    try:
+        ft = load(FT + ["--fault_tolerance.lighthouse", lighthouse.address().replace("http://", "")]).fault_tolerance
+        assert lighthouse_address(ft) == lighthouse.address() and lighthouse_problem(ft) is None
+    finally:
+        lighthouse.shutdown()
+    server = http.server.HTTPServer(("localhost", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ft = load(FT + ["--fault_tolerance.lighthouse", f"localhost:{server.server_port}"]).fault_tolerance
+        assert "answers there, but not a torchft lighthouse" in lighthouse_problem(ft)
+    finally:
+        server.shutdown()
+
+
+def test_a_group_alone_after_its_peers_reached_the_end_says_so(caplog):
+    """Item 13: the lighthouse's last quorum had group 0 at its last step; a group restarted after that is told."""
+    from torchft._torchft import LighthouseClient
+
+    from titanlite.config import load
+
+    lighthouse = _lighthouse()
+    try:
+        client = LighthouseClient(lighthouse.address(), timedelta(seconds=5))
+        client.quorum("titanlite_0:abc", timedelta(seconds=5), address="a", store_address="s", step=9, world_size=1)
+        rg = _groups(load(FT + ["--fault_tolerance.replica_id", "1", "--training.steps", "10"]), step=3)
+        rg.ft.lighthouse = lighthouse.address()
+        rg.finished_peers = rg._peers_at_the_end()
+    finally:
+        lighthouse.shutdown()
+    assert rg.finished_peers == [("titanlite_0", 9)]
+    rg.participants, rg.manager._quorum_id = 1, 1
+    rg._after_quorum()
+    assert "trains on alone from step 4; the lighthouse's last quorum before this group came had titanlite_0 at " \
+        "step 10 of training.steps = 10: they reached the job's end" in caplog.text  # fmt: skip
+    assert rg.weights  # a new quorum: the weights are compared at this step
+
+
+def _launch_cmd(*args, nproc=2):
+    """titanlite's launcher (what run_train.sh runs: torchrun with titanlite's watch and endings)."""
+    return [sys.executable, "-m", "titanlite.cli.launch", *torchrun_cmd(*args, nproc=nproc)[3:]]
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_takes_its_group_out_and_the_healthy_group_goes_on(tmp_path):
+    """Item 10: two groups of 2 processes; rank 1 of group 1 is stopped (SIGSTOP) while its rank 0 still heartbeats,
+    so the lighthouse refuses the healthy group a quorum without group 1. Group 1's launcher ends its group (after a
+    quarter of quorum_timeout_seconds of silence) and group 0 steps alone well before its quorum times out."""
+    lighthouse = _lighthouse()
+    env = faults_env("", TITANLITE_STEP_PAUSE="0.1")  # a pace: group 0 must still have steps to take
+    extra = ("--training.steps", "2000", "--checkpoint.enable", "--checkpoint.interval", "2000",
+             "--fault_tolerance.quorum_timeout_seconds", "12")  # fmt: skip
+    logs = {g: tmp_path / f"group{g}.log" for g in (0, 1)}
+
+    def start(g):
+        return job(_launch_cmd(*_group_argv(tmp_path, g, lighthouse, *extra)), env=env,
+                   stdout=open(logs[g], "w"), stderr=subprocess.STDOUT)  # fmt: skip
+
+    try:
+        with start(0) as g0, start(1) as g1:
+            _wait_for(logs[0], lambda s, _: sum(r == 2 for *_, r in s) >= 2, "both groups stepping")
+            frozen = json.loads((tmp_path / "group1" / ".progress" / "rank-1.json").read_text())["pid"]
+            os.kill(frozen, signal.SIGSTOP)
+            stopped_at, before = time.time(), len(_steps(logs[0]))
+            _wait_for(logs[0], lambda s, _: any(r == 1 for *_, r in s[before:]), "group 0 stepping alone", 11)
+            went_on_after = time.time() - stopped_at
+            assert g1.wait(timeout=30) == 1, logs[1].read_text()[-3000:]
+            assert g0.poll() is None, logs[0].read_text()[-3000:]  # the healthy group trains on
+            steps = len(_steps(logs[0]))
+            _wait_for(logs[0], lambda s, _: len(s) >= steps + 3, "group 0 going on", 30)
+    finally:
+        lighthouse.shutdown()
+    text = logs[1].read_text()
+    assert "error (rank 1): rank 1 stopped answering" in text and "fault_tolerance.replica_id = 1) leaves" in text
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+    assert not _running_with(str(tmp_path / "group1")), "a worker of the group that left is still there"
+    assert went_on_after < 10, went_on_after  # the timeouts: 12 s for the quorum, 1800 s for the hang watch
+    print(f"group 0 stepping alone {went_on_after:.1f} s after rank 1 of group 1 froze")

@@ -16,3 +16,8 @@ class NonFiniteLossError(RuntimeError):
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (the message says where, why, and which checkpoint is intact)."""
+
+
+class ReplicaGroupsError(RuntimeError):
+    """A fault-tolerant group cannot go on (its lighthouse is gone, too few groups are live): the message says what
+    happened and which checkpoint it saved."""

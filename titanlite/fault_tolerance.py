@@ -2,41 +2,47 @@
 across groups, the gradients are averaged over the groups that are alive, through torchft's Manager and a process
 group it rebuilds at every quorum. A group that dies is dropped at the next quorum (or the commit fails and the step
 is retried without it); a restarted group receives the weights, optimizer state, schedule, step and data position
-of a live peer (rank r from rank r) and trains on from there. docs/fault_tolerance.md.
+of a live peer (rank r from rank r) and trains on from there. A lighthouse that dies is waited for (a restart at its
+address is rejoined); a group that cannot go on, or gets a stop signal while it waits, saves its last committed step
+first. What the groups compare at every step (settings, ids, weights) is in parallel/ft.py. docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
-import json
 import logging
 import os
-import socket
 import time
 from datetime import timedelta
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.errors import ConfigError
+from titanlite.errors import ConfigError, ReplicaGroupsError
+from titanlite.parallel.ft import (
+    HEADER,
+    ID_SLOTS,
+    LIGHTHOUSE_COMMAND,
+    LIVE,
+    TOKENS,
+    VECTOR,
+    WEIGHTS,
+    any_rank,
+    describe_difference,
+    differing_keys,
+    is_lighthouse,
+    lighthouse_address,
+    lighthouse_problem,
+    lighthouse_status,
+    previous_quorum,
+    settings_slots,
+    shared_settings,
+    weights_fingerprint,
+)
 
 logger = logging.getLogger("titanlite")
-
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-LIGHTHOUSE_COMMAND = (
-    "torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 --quorum_tick_ms 100 --bind [::]:29510"
-)
-# The settings every group must share: they decide the model, the data each rank reads and the update.
-SHARED_SECTIONS = ("model", "training", "data", "optimizer", "lr_scheduler", "parallelism", "moe", "lora", "float8")
-
-
-def lighthouse_address(ft_cfg) -> str:
-    """The lighthouse's address: fault_tolerance.lighthouse, else $TORCHFT_LIGHTHOUSE ('' when neither)."""
-    return ft_cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
 
 
 def _unsupported(cfg, dims) -> str | None:
@@ -79,30 +85,7 @@ def fault_tolerance_problem(cfg, dims, check_lighthouse: bool) -> str | None:
             "fault_tolerance.enable = true needs torchft, which is not installed: pip install -e '.[ft]' "
             "(or pip install torchft), or set fault_tolerance.enable = false"
         )
-    address = lighthouse_address(ft)
-    if not address:
-        return (
-            f"fault_tolerance.lighthouse = '' and {LIGHTHOUSE_ENV} is not set: give the lighthouse's address "
-            f"(http://host:port), after starting one: {LIGHTHOUSE_COMMAND}"
-        )
-    url = urlparse(address if "://" in address else f"http://{address}")
-    try:
-        socket.create_connection((url.hostname, url.port or 80), timeout=3).close()
-    except (OSError, ValueError) as e:
-        key = "fault_tolerance.lighthouse" if ft.lighthouse else LIGHTHOUSE_ENV
-        return (
-            f"{key} = {address!r}: no lighthouse answers there ({type(e).__name__}: {e}); start one first: "
-            f"{LIGHTHOUSE_COMMAND}"
-        )
-    return None
-
-
-def shared_fingerprint(cfg, world_size: int) -> int:
-    """A 48-bit hash of what every group must share (exact in a float64 sum of a few groups)."""
-    d = cfg.to_dict()
-    shared = {k: d[k] for k in SHARED_SECTIONS} | {"world": world_size, "groups": cfg.fault_tolerance.group_count}
-    shared["log_freq"] = cfg.metrics.log_freq  # logged steps sum their loss across the groups
-    return int(hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:12], 16)
+    return lighthouse_problem(ft)
 
 
 def _local(t):
@@ -119,6 +102,7 @@ class ReplicaGroups:
     def __init__(self, cfg, trainer, env):
         ft = cfg.fault_tolerance
         self.cfg, self.ft, self.trainer, self.env = cfg, ft, trainer, env
+        self.name = f"titanlite_{ft.replica_id}"  # torchft's replica id (it appends a fresh uuid)
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager logs every quorum at info
         for name in ("torchft", "torchft_quorums", "torchft_commits"):
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -141,31 +125,47 @@ class ReplicaGroups:
             rank=env.rank,
             world_size=env.world_size,
             lighthouse_addr=lighthouse_address(ft),
-            replica_id=f"titanlite_{ft.replica_id}",
+            replica_id=self.name,
             init_sync=False,  # every group initialises the same weights from the seed (topology-invariant init)
         )
         # A group resumed from disk is at its checkpoint's step: a group behind it heals from it.
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": trainer.step})
         self.participants = ft.group_count
-        self.fingerprint = shared_fingerprint(cfg, env.world_size)
+        self.settings = shared_settings(cfg, env.world_size)
+        self.slots = torch.tensor(settings_slots(self.settings), dtype=torch.float64)
+        self.weights = 0  # this step's fingerprint of the weights (0: not compared at this step)
+        self.quorum_seen = None  # the quorum whose weights were compared last
+        self.finished_peers = self._peers_at_the_end()  # groups of the lighthouse's last quorum (before ours)
+        self.resumed_step = trainer.step  # its checkpoint holds that step already
         self.healed_at: list[int] = []
         self.skipped_sequences = 0
+        # A frozen rank must take its group out before the live groups' quorum times out: while this group's rank 0
+        # heartbeats, the lighthouse keeps it and refuses them a quorum without it (titanlite.hang_watch).
+        trainer.hang.leave_when_silent(ft.quorum_timeout_seconds / 4, ft.replica_id)
 
     # ---------------------------------------------------------------- the step
 
-    def begin_step(self) -> None:
-        """A new quorum of live groups (a restarted group heals here, before its forward)."""
+    def begin_step(self) -> bool:
+        """A new quorum of live groups (a restarted group heals here, before its forward); True when a stop signal
+        came while waiting for one: what was committed is saved and the run stops (exit status 0)."""
         before = self.trainer.step
-        deadline = time.monotonic() + self.ft.quorum_timeout_seconds
+        waiting_since = None
         while True:  # with fewer live groups than min_replicas, wait for more instead of computing a lost step
-            self.manager.start_quorum()
+            if self._quorum():
+                return True
             self.participants = self.manager.num_participants()
             if self.participants >= self.ft.min_replicas:
                 break
-            if time.monotonic() > deadline:
-                raise RuntimeError(
+            waiting_since = waiting_since or time.monotonic()
+            late = time.monotonic() - waiting_since > self.ft.quorum_timeout_seconds
+            stop, late = any_rank(self._stop_requested(), late)
+            if stop:
+                return self._stop(f"while waiting for fault_tolerance.min_replicas = {self.ft.min_replicas} groups")
+            if late:
+                self._fail(
                     f"only {self.participants} of the fault_tolerance.min_replicas = {self.ft.min_replicas} replica "
                     f"groups are live after fault_tolerance.quorum_timeout_seconds = {self.ft.quorum_timeout_seconds:g}"
+                    f"{self._peers_note()}"
                 )
             time.sleep(0.1)
         if self.trainer.step != before:
@@ -174,6 +174,130 @@ class ReplicaGroups:
                 f"Fault tolerance: healed from a live group at step {self.trainer.step} (weights, optimizer, "
                 f"schedule and data position); {self.participants} of {self.ft.group_count} groups live"
             )
+        self._after_quorum()
+        return False
+
+    def _quorum(self) -> bool:
+        """manager.start_quorum(), through a lighthouse that stops answering: for up to quorum_timeout_seconds after
+        the first failure, waits for it to answer again at its address and asks again. True when a stop signal came
+        meanwhile (saved)."""
+        since = None
+        while True:
+            error = None
+            try:
+                self.manager.start_quorum()
+            except ConfigError:
+                raise  # a healing group whose settings differ from its peer's
+            except Exception as e:  # torchft raises TimeoutError or RuntimeError
+                # torchft 0.2.0 keeps the failed quorum and raises its error again at every later start_quorum
+                self.manager._quorum_future = None
+                error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            if self.env.world_size > 1 and any_rank(error is not None)[0]:  # a rank timed out as the quorum came
+                error = error or "another rank of this group got no quorum"
+            if error is None:
+                return False
+            if since is None:
+                since = time.monotonic()
+                logger.warning(
+                    f"Fault tolerance: no quorum before step {self.trainer.step + 1} ({error}); waiting up to "
+                    f"fault_tolerance.quorum_timeout_seconds = {self.ft.quorum_timeout_seconds:g} for the "
+                    f"lighthouse at {lighthouse_address(self.ft)} to give one"
+                )
+            if self._wait_for_lighthouse(error, since):
+                return True
+
+    def _wait_for_lighthouse(self, error: str, since: float) -> bool:
+        address, timeout = lighthouse_address(self.ft), self.ft.quorum_timeout_seconds
+        while True:
+            silent, stop, late = any_rank(
+                not self._lighthouse_answers(), self._stop_requested(), time.monotonic() - since > timeout
+            )
+            if stop:
+                return self._stop("while waiting for the lighthouse")
+            if late:
+                what = "gave no quorum" if not silent else "did not answer"
+                self._fail(
+                    f"the lighthouse at {address} {what} for fault_tolerance.quorum_timeout_seconds = {timeout:g} "
+                    f"({error}); restart it at the same address (`{LIGHTHOUSE_COMMAND}`) and relaunch the groups: "
+                    "they resume from their checkpoints"
+                )
+            if not silent:
+                logger.info(f"Fault tolerance: the lighthouse at {address} answers; asking it for a quorum again")
+                return False
+            time.sleep(0.5)
+
+    def _lighthouse_answers(self) -> bool:
+        try:
+            return is_lighthouse(lighthouse_status(lighthouse_address(self.ft), timeout=2))
+        except (OSError, ValueError):
+            return False
+
+    def _stop_requested(self) -> bool:
+        signals = getattr(getattr(self.trainer, "checkpointer", None), "signals", None)
+        return bool(getattr(signals, "requested", False))
+
+    def _save_committed(self) -> str:
+        """Save the last committed step unless it is saved already; says what was saved."""
+        ckpt, step = self.trainer.checkpointer, self.trainer.step
+        if not ckpt.enabled:
+            return "nothing was saved (checkpoint.enable = false)"
+        if step == 0:
+            return "no step was committed: nothing to save"
+        pending = getattr(ckpt, "_pending", None)
+        saved = step in ckpt.saved_steps or step == self.resumed_step or (pending is not None and pending[0] == step)
+        if not saved:
+            self.trainer.check_finite()  # never save NaNs
+            ckpt.save(step)
+        return f"the checkpoint of step {step} (the last committed one) is saved"
+
+    def _stop(self, when: str) -> bool:
+        saved = self._save_committed()
+        self.trainer.checkpointer.preempted = True
+        logger.warning(f"Stopped by a stop signal {when}: {saved}; exiting with status 0 (a relaunch resumes)")
+        return True
+
+    def _fail(self, message: str) -> None:
+        raise ReplicaGroupsError(f"fault tolerance: {message}; {self._save_committed()}")
+
+    def _after_quorum(self) -> None:
+        """After a quorum change: compare the weights at this step (a group that joins must hold the live ones'), and
+        say so when this group trains on alone after its peers left at the job's last step."""
+        quorum = getattr(self.manager, "_quorum_id", None)  # the same for every group of a quorum
+        self.weights = 0
+        if quorum is None or quorum != self.quorum_seen:
+            self.quorum_seen = quorum
+            self.weights = weights_fingerprint(_local(v) for v in self.trainer.model.state_dict().values())
+        if self.finished_peers and self.participants == 1:
+            logger.warning(
+                f"Fault tolerance: this group trains on alone from step {self.trainer.step + 1}{self._peers_note()}; "
+                f"it writes its own step-{self.cfg.training.steps}, beside theirs; stop it unless that is meant "
+                "(raise training.steps to train past the job's end)"
+            )
+            self.finished_peers = []
+
+    def _peers_at_the_end(self) -> list[tuple[str, int]]:
+        """The other groups of the lighthouse's last quorum that were at the job's last step (rank 0 reads the
+        lighthouse's page; the group's ranks share what it read)."""
+        box = [[]]
+        if self.env.rank == 0:
+            try:
+                quorum = previous_quorum(lighthouse_status(lighthouse_address(self.ft), timeout=2))
+            except (OSError, ValueError):
+                quorum = []
+            others = [(rid.split(":")[0], s) for rid, s in quorum if rid.split(":")[0] != self.name]
+            box[0] = [(rid, s) for rid, s in others if s + 1 >= self.cfg.training.steps > self.trainer.step]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _peers_note(self) -> str:
+        if not self.finished_peers:
+            return ""
+        who = ", ".join(f"{rid} at step {s + 1}" for rid, s in self.finished_peers)
+        return (
+            f"; the lighthouse's last quorum before this group came had {who} of training.steps = "
+            f"{self.cfg.training.steps}: they reached the job's end and left (finished, or died at the last step)"
+        )
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of `value` over the live groups (float64; meaningless when the step failed: it is retried)."""
@@ -181,29 +305,46 @@ class ReplicaGroups:
         self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
         return total.reshape(value.shape)
 
+    def step_vector(self, tokens) -> torch.Tensor:
+        """This group's part of the step's sum (parallel/ft.py: a size no setting changes)."""
+        mine = torch.zeros(VECTOR, dtype=torch.float64)
+        mine[TOKENS], mine[LIVE], mine[WEIGHTS] = float(tokens), 1, self.weights
+        mine[HEADER + self.ft.replica_id % ID_SLOTS] = 1
+        mine[HEADER + ID_SLOTS :] = self.slots
+        return mine
+
     def global_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The counted tokens of the live groups' parts of this step's batch; in the same sum, every group's
-        replica_id and a fingerprint of its shared settings, checked (ConfigError) at every step."""
-        ft = self.ft
-        mine = torch.zeros(ft.group_count + 2, dtype=torch.float64, device=tokens.device)
-        mine[0], mine[1 + ft.replica_id], mine[-1] = tokens, 1, self.fingerprint
-        total = self.sum(mine)
+        replica_id, its shared settings and (after a quorum change) its weights, checked (ConfigError) here."""
+        total = self.sum(self.step_vector(tokens).to(tokens.device)).cpu()
         if self.manager.errored() is not None:  # a group failed: nothing to check, the step will be retried
             return tokens
-        counts = total.cpu()
-        if counts[1 + ft.replica_id] > 1:
+        self._check(total)
+        return total[TOKENS].to(tokens.device)
+
+    def _check(self, total: torch.Tensor) -> None:
+        ft, live = self.ft, int(total[LIVE])
+        same = self.ft.group_count <= ID_SLOTS and int(total[HEADER + ft.replica_id % ID_SLOTS])
+        if same > 1:
             raise ConfigError(
-                f"fault_tolerance.replica_id = {ft.replica_id} is used by {int(counts[1 + ft.replica_id])} live "
-                f"groups; give each group its own id from 0 to {ft.group_count - 1}"
+                f"fault_tolerance.replica_id = {ft.replica_id} is used by {same} live groups; give each group its "
+                f"own id from 0 to {ft.group_count - 1}"
             )
-        if counts[-1] != self.fingerprint * self.participants:
+        differ = (total[HEADER + ID_SLOTS :] != self.slots * live).nonzero().flatten().tolist()
+        if differ:
+            keys = differing_keys(self.settings, differ)
             raise ConfigError(
-                "the live replica groups differ in their world size or in a setting of "
-                f"{', '.join('[' + s + ']' for s in SHARED_SECTIONS)} or metrics.log_freq: every group must run the "
-                "same configuration "
-                "(only the dump folder, checkpoint folder, logging and fault_tolerance.replica_id may differ)"
+                f"the live replica groups differ in {describe_difference(self.settings, keys)}: every group must run "
+                "the same configuration (only the dump folder, checkpoint folder, logging and "
+                "fault_tolerance.replica_id may differ)"
             )
-        return total[0]
+        if self.weights and total[WEIGHTS] != self.weights * live:
+            raise ConfigError(
+                f"the live replica groups hold different weights at step {self.trainer.step + 1} (their settings "
+                "are the same): a group that joins must start from the live groups' weights; was one resumed from "
+                "another run's checkpoint? Start it with an empty checkpoint folder (it then heals from the live "
+                "groups), or restart every group from the same checkpoint"
+            )
 
     def average_gradients(self, params) -> None:
         """Average every gradient over the live groups: each rank with the same rank of the other groups (their
@@ -250,9 +391,21 @@ class ReplicaGroups:
             "dataloader": t.dataloader.state_dict(),
             "step": t.step,
             "tokens_seen": t.tokens_seen,
+            "settings": self.settings,
         }
 
     def _load(self, state: dict) -> None:
+        """Take a live peer's state (healing); refused, naming the keys, when its shared settings differ: its tensors'
+        shapes and meaning follow them."""
+        peer = state.get("settings", {})
+        if peer != self.settings:
+            keys = sorted(k for k in self.settings.keys() | peer.keys() if self.settings.get(k) != peer.get(k))
+            raise ConfigError(
+                f"this group cannot heal from the live replica groups: they differ in "
+                f"{describe_difference(self.settings, [k for k in keys if k in self.settings], peer)}; every group "
+                "must run the same configuration (only the dump folder, checkpoint folder, logging and "
+                "fault_tolerance.replica_id may differ)"
+            )
         t = self.trainer
         with torch.no_grad():
             for k, v in t.model.state_dict().items():

@@ -262,7 +262,8 @@ class Trainer:
             while self.step < cfg.training.steps:
                 if self.replicas is not None:
                     self.hang.phase(f"step {self.step + 1}: waiting for a quorum of replica groups")
-                    self.replicas.begin_step()  # a restarted group heals here: step and data position included
+                    if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
+                        break  # a stop signal came while it waited for a quorum: what was committed is saved
                     data_state = self.dataloader.state_dict()
                 self.step += 1
                 self.hang.phase(f"step {self.step}: waiting for its data")

@@ -7,8 +7,8 @@ import os
 
 from titanlite.config import load, to_toml
 from titanlite.distributed import exit_process, shutdown
-from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError
-from titanlite.exit_status import ENV, read_outcome, report_user_error
+from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError, ReplicaGroupsError
+from titanlite.exit_status import ENV, read_outcome, report_failure, report_user_error
 from titanlite.metrics import setup_logging
 from titanlite.trainer import Trainer
 
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     except ConfigError as e:  # data that turns out bad mid-run (a malformed record, ...)
         return user_error(e)
-    except (NonFiniteLossError, CheckpointSaveError) as e:
-        logger.error(str(e))
+    except (NonFiniteLossError, CheckpointSaveError, ReplicaGroupsError) as e:
+        report_failure(str(e))  # printed once by run_train.sh's launcher, without torchrun's failure table
         shutdown()
         return 1
     except Exception as e:

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 
 from titanlite.config.fields import POSITIVE, non_negative, positive, setting
 
+# A cross-group collective, a commit or a quorum takes milliseconds at best: a shorter timeout cannot work (every one
+# fails and is retried, each with a C++ stack dump), and a longer one than a week overflows torchft's timers.
+MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0
+TIMEOUT_VALID = f"a number of seconds from {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} (a week)"
+
+
+def usable_timeout(v) -> bool:
+    return MIN_TIMEOUT <= v <= MAX_TIMEOUT
+
 
 @dataclass
 class FaultTolerance:
@@ -29,23 +38,27 @@ class FaultTolerance:
         POSITIVE,
     )
     lighthouse: str = setting(
-        "", "the torchft lighthouse's address (http://host:port); '' = the TORCHFT_LIGHTHOUSE environment variable"
+        "",
+        "the torchft lighthouse's address (http://host:port, or host:port); '' = the TORCHFT_LIGHTHOUSE environment "
+        "variable",
     )
     min_replicas: int = setting(
         1,
-        "live groups a step needs; with fewer, the step waits for more (the run fails after quorum_timeout_seconds)",
+        "live groups a step needs; with fewer, the step waits for more (for quorum_timeout_seconds; then the group "
+        "saves what was committed and stops)",
         positive,
         POSITIVE,
     )
     timeout_seconds: float = setting(
         10.0,
         "a collective across groups or a commit that takes longer drops the groups that did not answer",
-        positive,
-        POSITIVE,
+        usable_timeout,
+        TIMEOUT_VALID,
     )
     quorum_timeout_seconds: float = setting(
         60.0,
-        "how long a step waits for min_replicas live groups (and torchft for a quorum) before the run fails",
-        positive,
-        POSITIVE,
+        "how long a step waits for min_replicas live groups (and torchft for a quorum), and for a lighthouse that "
+        "stopped answering to answer again, before the group saves what was committed and stops",
+        usable_timeout,
+        TIMEOUT_VALID,
     )

@@ -1,0 +1,179 @@
+"""What fault-tolerant replica groups must agree on, and what their lighthouse says (docs/fault_tolerance.md).
+
+- The lighthouse's address (`http://` added when it is left out, as torchft needs it), the check before launch that
+  a torchft lighthouse answers there, and the groups of its last quorum (which told a restarted group that its
+  peers left at the job's last step).
+- The step vector: one fixed-size float64 vector summed over the live groups at every step, whatever the settings
+  (a size that depended on a setting, e.g. group_count, would crash gloo instead of naming it). It carries the
+  counted tokens, a count of the live groups, their replica ids, a fingerprint of the weights (after a quorum
+  change) and each shared setting's hash in one of KEY_SLOTS slots, so that a difference names its key.
+
+No torchft import here: the module is read by the pre-launch check too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import urllib.request
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+LIGHTHOUSE_COMMAND = (
+    "torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 --quorum_tick_ms 100 --bind [::]:29510"
+)
+# The settings every group must share: they decide the model, the data each rank reads and the update.
+SHARED_SECTIONS = ("model", "training", "data", "optimizer", "lr_scheduler", "parallelism", "moe", "lora", "float8")
+# [checkpoint] keys that change where a group starts from (the weights and the data position it starts with).
+START_KEYS = ("initial_load_path", "exclude_from_loading")
+WORLD = "the world size (processes per group)"
+
+ID_SLOTS = 256  # replica ids are counted in slot id % ID_SLOTS (exact up to 256 groups)
+KEY_SLOTS = 256  # each shared setting's 32-bit hash is added into slot hash(key) % KEY_SLOTS
+TOKENS, LIVE, WEIGHTS, HEADER = 0, 1, 2, 3
+VECTOR = HEADER + ID_SLOTS + KEY_SLOTS  # the same for every group and every configuration
+MOD = 2**32  # hashes are 32-bit: a sum over up to 2**21 groups stays exact in float64
+
+
+def _h32(text: str) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+
+
+# ---------------------------------------------------------------- the lighthouse
+
+
+def lighthouse_address(ft_cfg) -> str:
+    """The lighthouse's address, fault_tolerance.lighthouse else $TORCHFT_LIGHTHOUSE ('' when neither), with
+    `http://` added when it has no scheme (torchft needs one; `host:port` is what users often write)."""
+    address = (ft_cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")).strip()
+    return address if not address or "://" in address else f"http://{address}"
+
+
+def lighthouse_status(address: str, timeout: float = 3.0) -> str:
+    """The text of the lighthouse's /status page (raises OSError or ValueError when nothing answers there)."""
+    with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=timeout) as r:
+        return r.read(1 << 20).decode(errors="replace")
+
+
+def is_lighthouse(text: str) -> bool:
+    """Whether a /status page is a torchft lighthouse's."""
+    return "quorum_id" in text and "Previous Quorum" in text
+
+
+def lighthouse_problem(ft_cfg) -> str | None:
+    """Why no torchft lighthouse can be used at the configured address, or None."""
+    address = lighthouse_address(ft_cfg)
+    key = "fault_tolerance.lighthouse" if ft_cfg.lighthouse else LIGHTHOUSE_ENV
+    given = ft_cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        return (
+            f"fault_tolerance.lighthouse = '' and {LIGHTHOUSE_ENV} is not set: give the lighthouse's address "
+            f"(http://host:port), after starting one: {LIGHTHOUSE_COMMAND}"
+        )
+    url = urlparse(address)
+    if url.scheme != "http" or not url.hostname:
+        return f"{key} = {given!r}: valid: http://host:port (or host:port), the address of a torchft lighthouse"
+    try:
+        socket.create_connection((url.hostname, url.port or 80), timeout=3).close()
+    except (OSError, ValueError) as e:
+        return (
+            f"{key} = {given!r}: no lighthouse answers there ({type(e).__name__}: {e}); start one first: "
+            f"{LIGHTHOUSE_COMMAND}"
+        )
+    try:
+        text = lighthouse_status(address)
+    except (OSError, ValueError) as e:
+        text = f"{type(e).__name__}: {e}"
+    if not is_lighthouse(text):
+        return (
+            f"{key} = {given!r}: something answers there, but not a torchft lighthouse (its /status page: "
+            f"{' '.join(text.split())[:120]!r}); give the address of one, started with: {LIGHTHOUSE_COMMAND}"
+        )
+    return None
+
+
+def previous_quorum(text: str) -> list[tuple[str, int]]:
+    """(replica id, step) of each group in the lighthouse's last quorum, read off its /status page."""
+    _, _, previous = text.partition("Previous Quorum")
+    return [(rid, int(step)) for rid, step in re.findall(r"<b>([^<]+)</b>\s*<br/>\s*Step:\s*(\d+)", previous)]
+
+
+# ---------------------------------------------------------------- the shared settings
+
+
+def shared_settings(cfg, world_size: int) -> dict[str, str]:
+    """Every setting the groups must share, by its key ('section.key'), as canonical JSON."""
+    d = cfg.to_dict()
+    flat = {f"{s}.{k}": v for s in SHARED_SECTIONS for k, v in d[s].items()}
+    flat |= {f"checkpoint.{k}": d["checkpoint"][k] for k in START_KEYS}
+    flat["metrics.log_freq"] = cfg.metrics.log_freq  # logged steps sum their loss across the groups
+    flat["fault_tolerance.group_count"] = cfg.fault_tolerance.group_count
+    flat["fault_tolerance.min_replicas"] = cfg.fault_tolerance.min_replicas
+    flat[WORLD] = world_size
+    return {k: json.dumps(v, sort_keys=True, default=str) for k, v in flat.items()}
+
+
+def _slot(key: str) -> int:
+    return _h32(key) % KEY_SLOTS
+
+
+def settings_slots(settings: dict[str, str]) -> list[int]:
+    """KEY_SLOTS 32-bit values: the sum of the hashes of the (key, value) pairs whose key falls in each slot."""
+    slots = [0] * KEY_SLOTS
+    for key, value in settings.items():
+        slots[_slot(key)] = (slots[_slot(key)] + _h32(f"{key}={value}")) % MOD
+    return slots
+
+
+def differing_keys(settings: dict[str, str], differing_slots) -> list[str]:
+    """The keys of `settings` whose slot differs between the groups (a slot holds a few keys: all are named)."""
+    wanted = set(int(s) for s in differing_slots)
+    return sorted(k for k in settings if _slot(k) in wanted)
+
+
+def describe_difference(settings: dict[str, str], keys: list[str], peer: dict[str, str] | None = None) -> str:
+    """'training.seq_len (here 2048)' or, with the peer's settings, 'training.seq_len (here 2048, there 1024)'."""
+    if not keys:
+        return "a setting this group does not have (another titanlite version?)"
+    parts = []
+    for k in keys[:6]:
+        there = "" if peer is None else f", there {peer.get(k, 'absent')}"
+        parts.append(f"{k} (here {settings[k]}{there})")
+    more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+    return ("one of " if peer is None and len(keys) > 1 else "") + ", ".join(parts) + more
+
+
+# ---------------------------------------------------------------- the weights
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def weights_fingerprint(tensors) -> int:
+    """A 32-bit fingerprint of these tensors' exact bits (their integer sums, in order; on the device, one host
+    read), the same on every rank of the group: each rank hashes its shards and the group sums the hashes."""
+    sums = [
+        t.detach().contiguous().reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
+        for t in tensors
+        if t.numel()
+    ]
+    mine = _h32(json.dumps(torch.stack(sums).tolist() if sums else []))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        total = torch.tensor([float(mine)], dtype=torch.float64)  # a CPU tensor: the gloo half of a GPU group
+        dist.all_reduce(total)
+        return int(total.item()) % MOD
+    return mine
+
+
+def any_rank(*flags: bool) -> list[bool]:
+    """Each flag: whether it holds on some rank of this group (a collective, so that the ranks decide together)."""
+    values = torch.tensor([int(f) for f in flags], dtype=torch.int32)  # CPU: the gloo half of a GPU group
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
