@@ -107,9 +107,15 @@ def test_pipeline_matches_one_process(tmp_path):
             ("ZBVZeroBubble", tmp_path / "z", (*_pp("ZBVZeroBubble"), *VALIDATE)),
             ("block_causal", tmp_path / "b", (*_pp("1F1B"), *BLOCK)),
             # fewer pipeline microbatches (1) than pp: torch runs ZBV (and Interleaved1F1B, below) with them
-            ("ZBVZeroBubble_full_ac", tmp_path / "za",
-             (*_pp("ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatches", "1"),
-              "--activation_checkpoint.mode", "full")),
+            (
+                "ZBVZeroBubble_full_ac",
+                tmp_path / "za",
+                (
+                    *_pp("ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatches", "1"),
+                    "--activation_checkpoint.mode",
+                    "full",
+                ),
+            ),
             # 2 pipeline microbatches of 2 sequences, 3 stages per rank (6 stages of 1 block), op AC, compile
             (
                 "op_ac_compiled",
@@ -156,9 +162,16 @@ def test_pipeline_matches_one_process(tmp_path):
     _drop_after(f, 5)
     four_cases = [
         ("fsdp", pp_fsdp, (*_pp("1F1B"), *CKPT)),
-        ("tp", tmp_path / "t",
-         (*_pp("Interleaved1F1B", "--parallelism.pipeline_parallel_microbatches", "1"),
-          "--parallelism.tensor_parallel_degree", "2", *VALIDATE)),
+        (
+            "tp",
+            tmp_path / "t",
+            (
+                *_pp("Interleaved1F1B", "--parallelism.pipeline_parallel_microbatches", "1"),
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                *VALIDATE,
+            ),
+        ),
         (
             "hsdp_delayed",
             tmp_path / "d",
