@@ -447,3 +447,12 @@ def test_the_compiler_probe_reports_only_a_missing_compiler(monkeypatch):
         cpp_compiler_error()
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "g++")
     assert cpp_compiler_error() is None
+    monkeypatch.undo()
+
+    from types import SimpleNamespace
+
+    from titanlite.parallel.compile import compile_problem
+
+    monkeypatch.setenv("CXX", "/etc/hostname")  # not a compiler: inductor's probe raises OSError, a refusal naming CXX
+    problem = compile_problem(SimpleNamespace(enable=True, backend="inductor"), "cpu")
+    assert problem and "CXX = '/etc/hostname' cannot run" in problem and "install g++" in problem

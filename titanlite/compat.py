@@ -39,14 +39,15 @@ def fake_store():
 
 
 def cpp_compiler_error() -> Exception | None:
-    """The error inductor raises when it finds no C++ compiler (it needs one on CPU), or None. Only that error:
-    any other one is a bug of this probe or of inductor and propagates (never a silent "no compiler")."""
+    """The error inductor raises when it finds no C++ compiler (it needs one on CPU), or the OSError of one that
+    cannot run (CXX naming something that is not a compiler), or None. Only those: any other error is a bug of this
+    probe or of inductor and propagates (never a silent "no compiler")."""
     from torch._inductor.cpp_builder import get_cpp_compiler  # private; lazy: inductor is heavy
     from torch._inductor.exc import InvalidCxxCompiler
 
     try:
         get_cpp_compiler()
-    except InvalidCxxCompiler as e:
+    except (InvalidCxxCompiler, OSError) as e:
         return e
     return None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
 from titanlite.compat import cpp_compiler_error, has_triton
@@ -14,10 +16,11 @@ def compile_problem(compile_cfg, device_type: str) -> str | None:
     if device_type == "cpu":
         error = cpp_compiler_error()
         if error is not None:
+            cxx = os.environ.get("CXX")
+            found = f"CXX = {cxx!r} cannot run ({error})" if cxx else f"none was found ({type(error).__name__})"
             return (
-                f"compile.enable = true with compile.backend = 'inductor' needs a C++ compiler on CPU and none "
-                f"was found ({type(error).__name__}); install g++ or set CXX, use compile.backend = 'aot_eager', "
-                f"or set compile.enable = false"
+                f"compile.enable = true with compile.backend = 'inductor' needs a C++ compiler on CPU and {found}; "
+                "install g++ or set CXX to one, use compile.backend = 'aot_eager', or set compile.enable = false"
             )
     elif device_type == "cuda" and not has_triton():
         return (
