@@ -451,8 +451,18 @@ def test_the_compiler_probe_reports_only_a_missing_compiler(monkeypatch):
 
     from types import SimpleNamespace
 
+    import torch._inductor.config as inductor_config
+
     from titanlite.parallel.compile import compile_problem
 
-    monkeypatch.setenv("CXX", "/etc/hostname")  # not a compiler: inductor's probe raises OSError, a refusal naming CXX
-    problem = compile_problem(SimpleNamespace(enable=True, backend="inductor"), "cpu")
+    # CXX naming something that is not a compiler (inductor reads it into its config at import): its probe raises
+    # OSError, a refusal naming CXX
+    monkeypatch.setenv("CXX", "/etc/hostname")
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/etc/hostname",))
+    cpp_builder.cpp_compiler_search.cache_clear()
+    try:
+        problem = compile_problem(SimpleNamespace(enable=True, backend="inductor"), "cpu")
+    finally:
+        monkeypatch.undo()
+        cpp_builder.cpp_compiler_search.cache_clear()
     assert problem and "CXX = '/etc/hostname' cannot run" in problem and "install g++" in problem
