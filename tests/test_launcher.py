@@ -1,6 +1,7 @@
 """run_train.sh and torchrun on a shared cluster: bad launcher input, one job per dump folder, workers that
 outlive their launcher, and stop signals that save and exit 0 (gloo, CPU)."""
 
+import json
 import os
 import re
 import signal
@@ -239,7 +240,10 @@ def test_kill_9_of_run_train_sh_stops_the_whole_job(tmp_path):
         job = _descendants(proc.pid)  # torchrun (in a session of its own) and its 2 workers
         assert len(job) >= 3, job
         saved = {p.name for p in (tmp_path / "job" / "checkpoint").glob("step-*")}
-        os.kill(job[-1], signal.SIGSTOP)  # a frozen worker runs no watchdog: only the kernel can end it
+        # a frozen worker runs no watchdog: only the kernel can end it (rank 1's own pid, from its progress file)
+        worker = json.loads((tmp_path / "job" / ".progress" / "rank-1.json").read_text())["pid"]
+        assert worker in job and "titanlite" in open(f"/proc/{worker}/cmdline").read(), job
+        os.kill(worker, signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         waited = _wait_until_gone(job, 20)

@@ -10,9 +10,9 @@ first. What the groups compare at every step (settings, ids, weights) is in para
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
+import signal
 import time
 from datetime import timedelta
 
@@ -22,70 +22,31 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.errors import ConfigError, ReplicaGroupsError
 from titanlite.parallel.ft import (
-    HEADER,
     ID_SLOTS,
+    IDS,
+    KEYS,
     LIGHTHOUSE_COMMAND,
+    LIGHTHOUSE_ERRORS,
     LIVE,
+    PRINTS,
+    SENIOR,
     TOKENS,
     VECTOR,
-    WEIGHTS,
     any_rank,
     describe_difference,
     differing_keys,
     is_lighthouse,
     lighthouse_address,
-    lighthouse_problem,
     lighthouse_status,
     previous_quorum,
+    quorum_request_seconds,
     settings_slots,
     shared_settings,
     weights_fingerprint,
+    weights_verdict,
 )
 
 logger = logging.getLogger("titanlite")
-
-
-def _unsupported(cfg, dims) -> str | None:
-    if dims.dp_replicate > 1:
-        return (
-            f"parallelism.data_parallel_replicate_degree = {dims.dp_replicate} inside a fault-tolerant group: the "
-            "replicate dimension is across groups (fault_tolerance.group_count); set it to 1"
-        )
-    for value, key in ((dims.cp, "context_parallel_degree"), (dims.ep, "expert_parallel_degree")):
-        if value > 1:
-            return f"parallelism.{key} = {value} is not supported with fault_tolerance.enable = true yet; set it to 1"
-    if cfg.model.name in ("qwen3_moe", "mixtral"):
-        return f"model.name = {cfg.model.name!r}: Mixtures of Experts are not supported with fault tolerance yet"
-    if cfg.lora.enable:
-        return "lora.enable = true is not supported with fault_tolerance.enable = true yet"
-    return None
-
-
-def fault_tolerance_problem(cfg, dims, check_lighthouse: bool) -> str | None:
-    """Why [fault_tolerance] cannot run this group, or None (also when it is off). check_lighthouse: whether the
-    lighthouse must answer now (not in the dry run)."""
-    ft = cfg.fault_tolerance
-    if not ft.enable:
-        return None
-    if ft.replica_id >= ft.group_count:
-        return (
-            f"fault_tolerance.replica_id = {ft.replica_id} is not below fault_tolerance.group_count = "
-            f"{ft.group_count}; valid: 0 to {ft.group_count - 1}"
-        )
-    if ft.min_replicas > ft.group_count:
-        return (
-            f"fault_tolerance.min_replicas = {ft.min_replicas} is more than fault_tolerance.group_count = "
-            f"{ft.group_count}: no step could ever be taken; valid: 1 to {ft.group_count}"
-        )
-    problem = _unsupported(cfg, dims)
-    if problem or not check_lighthouse:
-        return problem
-    if importlib.util.find_spec("torchft") is None:
-        return (
-            "fault_tolerance.enable = true needs torchft, which is not installed: pip install -e '.[ft]' "
-            "(or pip install torchft), or set fault_tolerance.enable = false"
-        )
-    return lighthouse_problem(ft)
 
 
 def _local(t):
@@ -133,8 +94,10 @@ class ReplicaGroups:
         self.participants = ft.group_count
         self.settings = shared_settings(cfg, env.world_size)
         self.slots = torch.tensor(settings_slots(self.settings), dtype=torch.float64)
-        self.weights = 0  # this step's fingerprint of the weights (0: not compared at this step)
-        self.quorum_seen = None  # the quorum whose weights were compared last
+        self.weights = 0  # this step's fingerprint of the weights + 1 (0: not compared at this step)
+        self.quorum_seen = None  # the quorum whose weights were compared last (without an error)
+        self.quorum_now = None  # this step's quorum
+        self.committed = 0  # steps this process committed with the live groups
         self.finished_peers = self._peers_at_the_end()  # groups of the lighthouse's last quorum (before ours)
         self.resumed_step = trainer.step  # its checkpoint holds that step already
         self.healed_at: list[int] = []
@@ -178,42 +141,39 @@ class ReplicaGroups:
         return False
 
     def _quorum(self) -> bool:
-        """manager.start_quorum(), through a lighthouse that stops answering: for up to quorum_timeout_seconds after
-        the first failure, waits for it to answer again at its address and asks again. True when a stop signal came
-        meanwhile (saved)."""
-        since = None
+        """manager.start_quorum() in requests of at most QUORUM_CALL_SECONDS, for up to quorum_timeout_seconds in all,
+        a stop signal checked between them; a lighthouse that stops answering is waited for at its address. True when
+        a stop signal came meanwhile (what was committed is saved)."""
+        since, self._warned = time.monotonic(), False
         while True:
-            error = None
-            try:
-                self.manager.start_quorum()
-            except ConfigError:
-                raise  # a healing group whose settings differ from its peer's
-            except Exception as e:  # torchft raises TimeoutError or RuntimeError
-                # torchft 0.2.0 keeps the failed quorum and raises its error again at every later start_quorum
-                self.manager._quorum_future = None
-                error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-            if self.env.world_size > 1 and any_rank(error is not None)[0]:  # a rank timed out as the quorum came
-                error = error or "another rank of this group got no quorum"
-            if error is None:
+            left = self.ft.quorum_timeout_seconds - (time.monotonic() - since)
+            error = self._ask_quorum(max(1.0, min(quorum_request_seconds(self.ft), left)))
+            if not any_rank(error is not None)[0]:  # else a rank got no quorum as the others got one: ask again
                 return False
-            if since is None:
-                since = time.monotonic()
-                logger.warning(
-                    f"Fault tolerance: no quorum before step {self.trainer.step + 1} ({error}); waiting up to "
-                    f"fault_tolerance.quorum_timeout_seconds = {self.ft.quorum_timeout_seconds:g} for the "
-                    f"lighthouse at {lighthouse_address(self.ft)} to give one"
-                )
-            if self._wait_for_lighthouse(error, since):
+            if self._wait_for_lighthouse(error or "another rank of this group got no quorum", since):
                 return True
 
+    def _ask_quorum(self, seconds: float) -> str | None:
+        """One quorum request of at most `seconds`; what went wrong, or None."""
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=seconds))
+        except ConfigError:
+            raise  # a healing group whose settings differ from its peer's
+        except Exception as e:  # torchft raises TimeoutError or RuntimeError
+            # torchft 0.2.0 keeps the failed quorum and raises its error again at every later start_quorum
+            self.manager._quorum_future = None
+            return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return None
+
     def _wait_for_lighthouse(self, error: str, since: float) -> bool:
+        """After a request without a quorum: stop (True), fail after quorum_timeout_seconds, or return False to ask
+        again once the lighthouse answers (at once when it does)."""
         address, timeout = lighthouse_address(self.ft), self.ft.quorum_timeout_seconds
         while True:
-            silent, stop, late = any_rank(
-                not self._lighthouse_answers(), self._stop_requested(), time.monotonic() - since > timeout
-            )
+            waited = time.monotonic() - since
+            silent, stop, late = any_rank(not self._lighthouse_answers(), self._stop_requested(), waited > timeout)
             if stop:
-                return self._stop("while waiting for the lighthouse")
+                return self._stop("while waiting for a quorum")
             if late:
                 what = "gave no quorum" if not silent else "did not answer"
                 self._fail(
@@ -221,52 +181,71 @@ class ReplicaGroups:
                     f"({error}); restart it at the same address (`{LIGHTHOUSE_COMMAND}`) and relaunch the groups: "
                     "they resume from their checkpoints"
                 )
+            if not self._warned and (silent or waited >= quorum_request_seconds(self.ft)):  # not for a join wait
+                self._warned = True
+                logger.warning(
+                    f"Fault tolerance: no quorum before step {self.trainer.step + 1} after {waited:.0f} s ({error}); "
+                    f"waiting up to fault_tolerance.quorum_timeout_seconds = {timeout:g} for the lighthouse at "
+                    f"{address} to {'answer' if silent else 'give one'}"
+                )
             if not silent:
-                logger.info(f"Fault tolerance: the lighthouse at {address} answers; asking it for a quorum again")
+                time.sleep(0.1)  # a request that failed at once is not repeated in a busy loop
                 return False
             time.sleep(0.5)
 
     def _lighthouse_answers(self) -> bool:
         try:
             return is_lighthouse(lighthouse_status(lighthouse_address(self.ft), timeout=2))
-        except (OSError, ValueError):
+        except LIGHTHOUSE_ERRORS:
             return False
 
     def _stop_requested(self) -> bool:
         signals = getattr(getattr(self.trainer, "checkpointer", None), "signals", None)
         return bool(getattr(signals, "requested", False))
 
-    def _save_committed(self) -> str:
-        """Save the last committed step unless it is saved already; says what was saved."""
+    def _save_committed(self) -> tuple[bool, str]:
+        """Save the last committed step unless a checkpoint holds it already: whether one holds it, and what."""
         ckpt, step = self.trainer.checkpointer, self.trainer.step
         if not ckpt.enabled:
-            return "nothing was saved (checkpoint.enable = false)"
+            return False, "nothing was saved (checkpoint.enable = false)"
         if step == 0:
-            return "no step was committed: nothing to save"
+            return False, "no step was committed: nothing was saved"
         pending = getattr(ckpt, "_pending", None)
         saved = step in ckpt.saved_steps or step == self.resumed_step or (pending is not None and pending[0] == step)
         if not saved:
             self.trainer.check_finite()  # never save NaNs
             ckpt.save(step)
-        return f"the checkpoint of step {step} (the last committed one) is saved"
+        return True, f"the checkpoint of step {step} (the last committed one) is saved"
 
     def _stop(self, when: str) -> bool:
-        saved = self._save_committed()
-        self.trainer.checkpointer.preempted = True
-        logger.warning(f"Stopped by a stop signal {when}: {saved}; exiting with status 0 (a relaunch resumes)")
-        return True
+        """A stop signal came while waiting (every rank knows): True once the last committed step is saved (exit
+        status 0: a relaunch resumes); with nothing to save, the process ends as a stop during start-up does
+        (128 + the signal)."""
+        saved, what = self._save_committed()
+        if saved:
+            self.trainer.checkpointer.preempted = True
+            logger.warning(f"Stopped by a stop signal {when}: {what}; exiting with status 0 (a relaunch resumes)")
+            return True
+        code = 128 + self._stop_signal()
+        logger.warning(f"Stopped by a stop signal {when}: {what}; exiting with status {code}")
+        raise SystemExit(code)  # the trainer's cleanup runs; rank 0 records no 'stopped' (nothing to resume from)
+
+    def _stop_signal(self) -> int:
+        signals = getattr(self.trainer.checkpointer, "signals", None)
+        if getattr(signals, "signum", None):
+            return int(signals.signum)
+        return signal.SIGINT if getattr(signals, "_first_sigint", None) is not None else signal.SIGTERM
 
     def _fail(self, message: str) -> None:
-        raise ReplicaGroupsError(f"fault tolerance: {message}; {self._save_committed()}")
+        raise ReplicaGroupsError(f"fault tolerance: {message}; {self._save_committed()[1]}")
 
     def _after_quorum(self) -> None:
         """After a quorum change: compare the weights at this step (a group that joins must hold the live ones'), and
         say so when this group trains on alone after its peers left at the job's last step."""
-        quorum = getattr(self.manager, "_quorum_id", None)  # the same for every group of a quorum
+        self.quorum_now = getattr(self.manager, "_quorum_id", None)  # the same for every group of a quorum
         self.weights = 0
-        if quorum is None or quorum != self.quorum_seen:
-            self.quorum_seen = quorum
-            self.weights = weights_fingerprint(_local(v) for v in self.trainer.model.state_dict().values())
+        if self.quorum_now is None or self.quorum_now != self.quorum_seen:  # seen: set once a check went through
+            self.weights = 1 + weights_fingerprint(_local(v) for v in self.trainer.model.state_dict().values())
         if self.finished_peers and self.participants == 1:
             logger.warning(
                 f"Fault tolerance: this group trains on alone from step {self.trainer.step + 1}{self._peers_note()}; "
@@ -282,7 +261,7 @@ class ReplicaGroups:
         if self.env.rank == 0:
             try:
                 quorum = previous_quorum(lighthouse_status(lighthouse_address(self.ft), timeout=2))
-            except (OSError, ValueError):
+            except LIGHTHOUSE_ERRORS:
                 quorum = []
             others = [(rid.split(":")[0], s) for rid, s in quorum if rid.split(":")[0] != self.name]
             box[0] = [(rid, s) for rid, s in others if s + 1 >= self.cfg.training.steps > self.trainer.step]
@@ -308,9 +287,10 @@ class ReplicaGroups:
     def step_vector(self, tokens) -> torch.Tensor:
         """This group's part of the step's sum (parallel/ft.py: a size no setting changes)."""
         mine = torch.zeros(VECTOR, dtype=torch.float64)
-        mine[TOKENS], mine[LIVE], mine[WEIGHTS] = float(tokens), 1, self.weights
-        mine[HEADER + self.ft.replica_id % ID_SLOTS] = 1
-        mine[HEADER + ID_SLOTS :] = self.slots
+        slot = self.ft.replica_id % ID_SLOTS
+        mine[TOKENS], mine[LIVE], mine[IDS + slot] = float(tokens), 1, 1
+        mine[PRINTS + slot], mine[SENIOR + slot] = self.weights, float(self.committed > 0)
+        mine[KEYS:] = self.slots
         return mine
 
     def global_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -320,17 +300,18 @@ class ReplicaGroups:
         if self.manager.errored() is not None:  # a group failed: nothing to check, the step will be retried
             return tokens
         self._check(total)
+        self.quorum_seen = self.quorum_now  # compared without an error: not again until the quorum changes
         return total[TOKENS].to(tokens.device)
 
     def _check(self, total: torch.Tensor) -> None:
         ft, live = self.ft, int(total[LIVE])
-        same = self.ft.group_count <= ID_SLOTS and int(total[HEADER + ft.replica_id % ID_SLOTS])
+        same = self.ft.group_count <= ID_SLOTS and int(total[IDS + ft.replica_id % ID_SLOTS])
         if same > 1:
             raise ConfigError(
                 f"fault_tolerance.replica_id = {ft.replica_id} is used by {same} live groups; give each group its "
                 f"own id from 0 to {ft.group_count - 1}"
             )
-        differ = (total[HEADER + ID_SLOTS :] != self.slots * live).nonzero().flatten().tolist()
+        differ = (total[KEYS:] != self.slots * live).nonzero().flatten().tolist()
         if differ:
             keys = differing_keys(self.settings, differ)
             raise ConfigError(
@@ -338,13 +319,29 @@ class ReplicaGroups:
                 "the same configuration (only the dump folder, checkpoint folder, logging and "
                 "fault_tolerance.replica_id may differ)"
             )
-        if self.weights and total[WEIGHTS] != self.weights * live:
+        if self.ft.group_count <= ID_SLOTS:
+            self._check_weights(total)
+
+    def _check_weights(self, total: torch.Tensor) -> None:
+        """Only a group whose weights differ from the others' raises (the live groups' when it joins them); all
+        raise when no majority says which are right."""
+        prints, senior = total[PRINTS:SENIOR].tolist(), total[SENIOR:KEYS].tolist()
+        verdict = weights_verdict(prints, senior, self.weights)
+        if verdict is None:
+            return
+        step, of = self.trainer.step + 1, "the live replica groups" if any(senior) else "most replica groups"
+        if verdict == "differs":
             raise ConfigError(
-                f"the live replica groups hold different weights at step {self.trainer.step + 1} (their settings "
-                "are the same): a group that joins must start from the live groups' weights; was one resumed from "
-                "another run's checkpoint? Start it with an empty checkpoint folder (it then heals from the live "
-                "groups), or restart every group from the same checkpoint"
+                f"this group's weights differ from those of {of} at step {step} (their settings are the same): a "
+                "group that joins must start from the live groups' weights; was it resumed from another run's "
+                "checkpoint? Start it with an empty checkpoint folder (it then heals from the live groups), or "
+                "restart every group from the same checkpoint"
             )
+        raise ConfigError(
+            f"the live replica groups hold different weights at step {step} (their settings are the same) and "
+            "no majority says which are right: were they started from different checkpoints (e.g. one with "
+            "checkpoint.initial_load_path, one without)? Restart every group from the same checkpoint"
+        )
 
     def average_gradients(self, params) -> None:
         """Average every gradient over the live groups: each rank with the same rank of the other groups (their
@@ -362,7 +359,9 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Whether every live group got through this step (else it is dropped and the step retried)."""
-        return self.manager.should_commit()
+        ok = self.manager.should_commit()
+        self.committed += bool(ok)
+        return ok
 
     def count_skipped(self, global_batch_size: int) -> None:
         """A committed step trained only the live groups' parts of its global batch: count the rest."""

@@ -11,10 +11,17 @@ stop a watch that runs in another process, so a one-process job ends too. The la
 workers and ends them all, with one report (which ranks stopped answering, what each was doing) recorded for
 itself to print (exit_status), when
 - a rank stays in one phase longer than `training.hang_timeout_seconds`: the job is hung; or
-- in a fault-tolerant replica group, a rank is silent longer than `leave_when_silent`'s seconds (a quarter of
-  `fault_tolerance.quorum_timeout_seconds`): the group leaves the job, so that the lighthouse drops it and the
-  live groups go on (a group whose rank 0 still heartbeats would otherwise block their quorum).
-Under a plain torchrun (no titanlite launcher) each rank's thread judges the same way over this host's ranks.
+- in a fault-tolerant replica group, a rank's process is stopped (/proc state T: SIGSTOP, a frozen cgroup, a
+  debugger) and silent longer than `leave_when_silent`'s seconds (a quarter of
+  `fault_tolerance.quorum_timeout_seconds`, at least LEAVE_FLOOR s): the group leaves the job, so that the
+  lighthouse drops it and the live groups go on (a group whose rank 0 still heartbeats would otherwise block their
+  quorum). Silence alone is not enough: a write to a shared file system can stall for tens of seconds (all groups
+  save at the same step), and a group must not leave for that. The launcher that ends its workers for this writes
+  a marker (`leave-group-<replica_id>.json`) beside the progress files, so that the group's launchers on other
+  nodes end theirs too (their rank 0 would otherwise heartbeat on, blocked).
+Under a plain torchrun (no titanlite launcher), or when the workers cannot write the launcher's spec file, each
+rank's thread judges the same way over this host's ranks. With torchrun's --max-restarts left, a verdict is logged
+(torchrun restarts the workers), not recorded as the job's end.
 
 The timeout must exceed the longest step, save or validation of the job; the process group's own timeout is set
 above it (distributed.init_distributed), so the report comes before a bare collective timeout.
@@ -33,17 +40,26 @@ from collections.abc import Callable
 from pathlib import Path
 
 from titanlite.exit_status import ENV, record_failure
+from titanlite.hang_report import describe, hung_line, leave_line, left_line
 
 logger = logging.getLogger("titanlite")
 
 FOLDER = ".progress"
 PUBLISH_EVERY = 1.0  # seconds: at most this often from the training loop itself (one small file write)
 LAUNCHER_ENV = "TITANLITE_LAUNCHER_WATCH"  # set by titanlite.cli.launch: it judges its workers' progress files
+LEAVE_FLOOR = 10.0  # seconds: the least silence of a stopped rank that takes its group out
+STOP_JOIN = 5.0  # seconds the launcher waits for its watch thread (a read hung on NFS must not block its exit)
 
 
 def _attempt() -> str:
     """This launch attempt (torchrun's run id and restart count): files of earlier attempts are stale."""
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def restarts_left() -> int:
+    """How many more times torchrun restarts this attempt's workers when they fail (--max-restarts)."""
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - done)
 
 
 def refresh_period(timeout_s: float, leave_after_s: float = 0.0) -> float:
@@ -73,9 +89,10 @@ class HangWatch:
         self._judge: Watcher | None = None
 
     def leave_when_silent(self, seconds: float, replica_id: int) -> None:
-        """Fault tolerance: a rank of this group silent for `seconds` ends the group (before start)."""
-        self.leave_after, self.replica_id = max(seconds, 1.5), replica_id
-        self.refresh = refresh_period(self.timeout, self.leave_after)
+        """Fault tolerance: a stopped rank of this group silent for `seconds` (at least LEAVE_FLOOR and 3 refresh
+        periods) ends the group (call before start)."""
+        self.refresh = refresh_period(self.timeout, max(seconds, LEAVE_FLOOR))
+        self.leave_after, self.replica_id = max(seconds, LEAVE_FLOOR, 3 * self.refresh), replica_id
 
     def phase(self, what: str) -> None:
         """The rank now does `what` (e.g. 'step 12: forward/backward, microbatch 1 of 2')."""
@@ -93,6 +110,7 @@ class HangWatch:
             "leave_after": self.leave_after,
             "replica_id": self.replica_id,
             "refresh": self.refresh,
+            "restarts_left": restarts_left(),
         }
 
     def start(self) -> HangWatch:
@@ -102,13 +120,21 @@ class HangWatch:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._watching = True
         self._publish()
-        if os.environ.get(LAUNCHER_ENV) and os.environ.get(ENV):
-            if os.environ.get("LOCAL_RANK", "0") == "0":
-                _write_json(spec_path(os.environ[ENV]), self.spec())
-        else:  # a plain torchrun: this host's ranks judge each other (a one-process job cannot)
+        if not self._tell_launcher():  # this host's ranks judge each other (a one-process job cannot)
             self._judge = Watcher(self.spec(), _sibling, end_all=False)
         self._thread.start()
         return self
+
+    def _tell_launcher(self) -> bool:
+        """Whether titanlite's launcher judges this rank: it asked, and got the spec (every local rank writes the
+        same one, so that each whose write fails judges itself)."""
+        if not (os.environ.get(LAUNCHER_ENV) and os.environ.get(ENV)):
+            return False
+        path = spec_path(os.environ[ENV])
+        if _write_json(path, self.spec()):
+            return True
+        logger.warning(f"Could not write {path} for the launcher's hang watch: this node's workers watch each other")
+        return False
 
     def stop(self) -> None:
         """Stop watching (the end of training): the last record says so, so that the time this rank then spends
@@ -147,8 +173,7 @@ class HangWatch:
         return describe(read_records(self.folder, self.world, _attempt()), first, self.refresh, [], self.folder)
 
     def _end(self, report: str, rank: int, pids: list[int]) -> None:
-        if not record_failure("hung", report, rank):  # else the launcher prints it, once
-            logger.error(report)
+        announce(report, rank, restarts_left())
         kill(p for p in pids if p != os.getpid())
         logging.shutdown()
         os._exit(1)
@@ -158,8 +183,9 @@ class Watcher:
     """Judges the progress files of the ranks whose processes it may end (`mine(record)`), on a clock that stands
     still while the watcher itself did not run (a job suspended as a whole and resumed is not hung)."""
 
-    def __init__(self, spec: dict, mine: Callable[[dict], bool], end_all: bool):
+    def __init__(self, spec: dict, mine: Callable[[dict], bool], end_all: bool, started: float | None = None):
         self.spec, self.mine, self.end_all = spec, mine, end_all  # end_all: every rank it may end, not the frozen
+        self.started = time.time() if started is None else started  # a leave marker older than this is stale
         self.folder = Path(spec["folder"])
         self.refresh = float(spec["refresh"])
         self._phases: dict[int, tuple] = {}  # rank -> ((pid, since), clock when first seen, age then)
@@ -197,23 +223,45 @@ class Watcher:
             stuck.append((age + clock - seen, rank))
             silent.append((clock - self._updates[rank][1], rank))
         leave_after, timeout = float(self.spec["leave_after"]), float(self.spec["timeout"])
-        quiet, rank = max(silent, default=(0.0, None))
-        if leave_after > 0 and quiet > leave_after:
-            first = leave_line(rank, quiet, mine[rank]["phase"], self.spec["replica_id"])
-            return self._verdict(mine, first, rank, list(mine.values()))
+        if leave_after > 0 and mine:
+            verdict = self._leave(mine, silent, leave_after)
+            if verdict:
+                return verdict
         age, rank = max(stuck, default=(0.0, None))
         if timeout > 0 and age > timeout:
             frozen = [mine[r] for q, r in silent if q > 3 * self.refresh or self.end_all]
             return self._verdict(mine, hung_line(rank, age, mine[rank]["phase"], timeout), rank, frozen)
         return None
 
+    def _leave(self, mine: dict, silent: list[tuple], leave_after: float) -> tuple[str, int, list[int]] | None:
+        """The group leaves: a rank of this node is stopped and silent past `leave_after` (this watcher then marks
+        the group's leave for its other nodes), or another node's launcher marked it."""
+        replica_id, left = self.spec["replica_id"], self.spec.get("restarts_left", 0)
+        attempt = next(iter(mine.values()))["attempt"]  # the launcher knows it from its workers only
+        frozen = [(q, r) for q, r in silent if q > leave_after and process_stopped(mine[r]["pid"])]
+        if frozen:
+            quiet, rank = max(frozen)
+            first = leave_line(rank, quiet, mine[rank]["phase"], replica_id, left)
+            marker = {"attempt": attempt, "rank": rank, "host": mine[rank]["host"], "time": time.time()}
+            _write_json(self.folder / f"leave-group-{replica_id}.json", marker)
+            return self._verdict(mine, first, rank, list(mine.values()))
+        marker = _read_json(self.folder / f"leave-group-{replica_id}.json")
+        if marker and marker.get("attempt") == attempt and marker.get("time", 0) > self.started:
+            first = left_line(marker["rank"], marker["host"], replica_id, left)
+            return self._verdict(mine, first, marker["rank"], list(mine.values()))
+        return None
+
     def _verdict(self, mine: dict, first: str, rank: int, ending: list[dict]) -> tuple[str, int, list[int]]:
         pids = [r["pid"] for r in ending]
         self.ended.update(pids)
         ended_ranks = [k for k, r in mine.items() if r["pid"] in pids and r["pid"] != os.getpid()]
-        attempt = mine[rank]["attempt"]  # the launcher knows it from its workers only
+        attempt = next(iter(mine.values()))["attempt"]
         records = read_records(self.folder, self.spec["world"], attempt) | mine
-        return describe(records, first, self.refresh, ended_ranks, self.folder), rank, pids
+        report = describe(records, first, self.refresh, ended_ranks, self.folder)
+        left = self.spec.get("restarts_left", 0)
+        if left and "torchrun restarts" not in first:
+            report += f"\n  torchrun restarts the workers now ({left} restart(s) left of its --max-restarts)"
+        return report, rank, pids
 
 
 class LauncherWatch:
@@ -223,6 +271,7 @@ class LauncherWatch:
 
     def __init__(self, status_file: str, poll: float = 0.5):
         self.status_file, self.poll = status_file, poll
+        self.started = time.time()  # a leave marker of an earlier run (the same rdzv id) is older
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="titanlite-launcher-watch", daemon=True)
 
@@ -232,8 +281,10 @@ class LauncherWatch:
         return self
 
     def stop(self) -> None:
+        """Stop watching; waits at most STOP_JOIN s for the thread (a daemon: a read hung on NFS dies with us)."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join(timeout=STOP_JOIN)
         os.environ.pop(LAUNCHER_ENV, None)
 
     def _run(self) -> None:
@@ -242,13 +293,19 @@ class LauncherWatch:
             latest = _read_json(spec_path(self.status_file))
             if latest != spec:  # the workers started (or torchrun restarted them)
                 spec = latest
-                watcher = Watcher(spec, _my_worker, end_all=True) if spec else None
+                watcher = Watcher(spec, _my_worker, end_all=True, started=self.started) if spec else None
             verdict = watcher.check() if watcher else None
             if verdict:
                 report, rank, _ = verdict
-                if not record_failure("hung", report, rank):
-                    logger.error(report)
+                announce(report, rank, spec.get("restarts_left", 0))
                 kill(_children(os.getpid()))  # every worker: the job (or this group) ends anyway
+
+
+def announce(report: str, rank: int, restarts: int) -> None:
+    """A verdict's report: the job's end, recorded for the launcher to print once; or, with torchrun restarts left
+    (it restarts the workers: the job goes on), a log line."""
+    if restarts > 0 or not record_failure("hung", report, rank):
+        logger.error(report)
 
 
 def read_records(folder: Path, world: int, attempt: str | None = None) -> dict[int, dict | None]:
@@ -258,53 +315,6 @@ def read_records(folder: Path, world: int, attempt: str | None = None) -> dict[i
         r = _read_json(folder / f"rank-{rank}.json")
         out[rank] = r if r and (attempt is None or r.get("attempt") == attempt) else None
     return out
-
-
-def hung_line(rank: int, seconds: float, phase: str, timeout: float) -> str:
-    return (
-        f"the job is hung: rank {rank} made no progress for {seconds:.0f} s in '{phase}' "
-        f"(training.hang_timeout_seconds = {timeout:g})"
-    )
-
-
-def leave_line(rank: int, seconds: float, phase: str, replica_id) -> str:
-    return (
-        f"rank {rank} stopped answering {seconds:.0f} s ago in '{phase}' (a stopped, frozen or lost process): this "
-        f"replica group (fault_tolerance.replica_id = {replica_id}) leaves the job so that the live groups go on; run "
-        f"its command again to rejoin (it heals from a live group)"
-    )
-
-
-def describe(records: dict[int, dict | None], first: str, refresh: float, ended: list[int], folder: Path) -> str:
-    """`first`, then which ranks stopped answering (a file older than 3 refreshes), which were ended, which still
-    run and where, and which never reported."""
-    now = time.time()
-    silent, waiting, unknown = [], [], []
-    for rank, r in records.items():
-        if r is None:
-            unknown.append(rank)
-            continue
-        where = f"rank {rank} ({r['host']}, pid {r['pid']}): '{r['phase']}' for {now - r['since']:.0f} s"
-        if now - r["updated"] > 3 * refresh and not r.get("ended"):
-            silent.append(f"{where}, silent for {now - r['updated']:.0f} s")
-        else:
-            waiting.append(where)
-    lines = [first]
-    if silent:
-        lines.append("stopped answering (stopped, frozen or lost process): " + "; ".join(silent[:8]))
-    if ended:
-        lines.append(
-            f"ended at once: rank(s) {_ranges(sorted(ended))} on this host (a frozen worker answers no SIGTERM: "
-            f"torchrun would wait 30 s before killing it)"
-        )
-    if waiting:
-        lines.append("still running: " + "; ".join(waiting[:8]) + (" ..." if len(waiting) > 8 else ""))
-    if unknown:
-        lines.append(
-            f"no progress report from rank(s) {_ranges(unknown)} in {folder} (another node's dump folder, if it "
-            f"is not shared)"
-        )
-    return "\n  ".join(lines)
 
 
 def _this_nodes_ranks(rank: int) -> list[int]:
@@ -322,13 +332,24 @@ def kill(pids) -> None:
             pass
 
 
-def _write_json(path: Path, record: dict) -> None:
+def process_stopped(pid: int) -> bool:
+    """Whether a process of this host is stopped (Linux /proc state T or t: SIGSTOP, a debugger); not one that
+    sleeps or waits on a disk or file system (S, D): that may be a slow save."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _write_json(path: Path, record: dict) -> bool:
+    """Write record atomically; False when it could not be written (a full or unreachable folder)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
+        return True
     except OSError:
-        pass  # a full or unreachable folder: the watch then sees this rank as silent
+        return False  # a progress file: the watch then sees this rank as silent
 
 
 def _read_json(path: Path) -> dict | None:
@@ -366,13 +387,3 @@ def _parent(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    out, start = [], ranks[0]
-    for prev, r in zip(ranks, ranks[1:] + [None]):
-        if r != prev + 1:
-            out.append(f"{start}-{prev}" if prev > start else f"{start}")
-            start = r
-    return ", ".join(out)

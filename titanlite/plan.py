@@ -23,7 +23,6 @@ from titanlite.data.build import check_data
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
-from titanlite.fault_tolerance import fault_tolerance_problem
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
 from titanlite.models.lora import apply_lora, resolve_targets
@@ -31,6 +30,7 @@ from titanlite.models.registry import FAMILIES, model_args, model_class
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.float8 import float8_problem
+from titanlite.parallel.ft import fault_tolerance_problem
 from titanlite.parallel.pp import pipeline_problem
 from titanlite.run_control import check_lock_free
 from titanlite.wandb_tracker import wandb_problem

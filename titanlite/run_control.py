@@ -36,11 +36,13 @@ STALE_AFTER = 600.0  # seconds without a heartbeat after which another host's lo
 HEARTBEAT_EVERY = 60.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # Linux prctl
+LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"  # set by titanlite.cli.launch (torchrun's process) for its workers
 
 
 def die_with_launcher() -> None:
     """Under torchrun on Linux: the kernel SIGKILLs this worker the moment its launcher dies, however it dies, even
-    while the worker is frozen (a stopped process runs no thread: the LauncherWatchdog cannot end it)."""
+    while the worker is frozen (a stopped process runs no thread: the LauncherWatchdog cannot end it). A launcher
+    that died before (during this worker's imports) ends it here."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     launcher = os.getppid()
@@ -48,8 +50,18 @@ def die_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return  # the watchdog still ends a live orphan
-    if os.getppid() != launcher:  # it died before the signal was armed
+    if os.getppid() != launcher or _launcher_gone():  # it died before the signal was armed
         os._exit(1)
+
+
+def _launcher_gone() -> bool:
+    """Whether the launcher named by titanlite.cli.launch has died (this process was then handed to another parent;
+    a named launcher that is alive but not the parent is another job's, its name inherited: not ours)."""
+    try:
+        named = int(os.environ.get(LAUNCHER_PID_ENV, ""))
+    except ValueError:
+        return False
+    return named != os.getppid() and not pid_alive(named)
 
 
 def _run_id() -> str:

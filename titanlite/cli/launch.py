@@ -24,6 +24,7 @@ import tempfile
 
 from titanlite.exit_status import ENV, read_outcome
 from titanlite.hang_watch import LauncherWatch
+from titanlite.run_control import LAUNCHER_PID_ENV
 
 
 class _HideAfterUserError(logging.Filter):
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     for handler in {h for logger in [logging.getLogger(), *torch_loggers] for h in logger.handlers}:
         handler.addFilter(hide)
     watch = LauncherWatch(os.environ[ENV]).start()
+    before = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # a worker whose launcher died during its imports sees it
     try:
         torchrun(argv)
     except SignalException as e:  # a user's or scheduler's stop: one line and its own status, no traceback
@@ -96,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         return _failed(e)
     finally:
         watch.stop()
+        if before is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = before
     return 0
 
 

@@ -5,8 +5,10 @@
   peers left at the job's last step).
 - The step vector: one fixed-size float64 vector summed over the live groups at every step, whatever the settings
   (a size that depended on a setting, e.g. group_count, would crash gloo instead of naming it). It carries the
-  counted tokens, a count of the live groups, their replica ids, a fingerprint of the weights (after a quorum
-  change) and each shared setting's hash in one of KEY_SLOTS slots, so that a difference names its key.
+  counted tokens, a count of the live groups, their replica ids, each group's fingerprint of its weights (in its
+  replica id's slot; 0 when it did not compare at this step), whether each group took part in a committed step
+  before (so that a joiner that differs is told, not the live groups) and each shared setting's hash in one of
+  KEY_SLOTS slots, so that a difference names its key.
 
 No torchft import here: the module is read by the pre-launch check too.
 """
@@ -14,6 +16,8 @@ No torchft import here: the module is read by the pre-launch check too.
 from __future__ import annotations
 
 import hashlib
+import http.client
+import importlib.util
 import json
 import os
 import re
@@ -30,14 +34,20 @@ LIGHTHOUSE_COMMAND = (
 )
 # The settings every group must share: they decide the model, the data each rank reads and the update.
 SHARED_SECTIONS = ("model", "training", "data", "optimizer", "lr_scheduler", "parallelism", "moe", "lora", "float8")
-# [checkpoint] keys that change where a group starts from (the weights and the data position it starts with).
-START_KEYS = ("initial_load_path", "exclude_from_loading")
+# [checkpoint] keys that change where a group starts from, compared without paths: the same base may sit at another
+# (node-local, relative) path; the weights fingerprint compares what was loaded.
+START_KEYS = ("exclude_from_loading",)
+INITIAL_LOAD = "checkpoint.initial_load_path is set"
 WORLD = "the world size (processes per group)"
 
 ID_SLOTS = 256  # replica ids are counted in slot id % ID_SLOTS (exact up to 256 groups)
 KEY_SLOTS = 256  # each shared setting's 32-bit hash is added into slot hash(key) % KEY_SLOTS
-TOKENS, LIVE, WEIGHTS, HEADER = 0, 1, 2, 3
-VECTOR = HEADER + ID_SLOTS + KEY_SLOTS  # the same for every group and every configuration
+TOKENS, LIVE = 0, 1
+IDS = 2  # ID_SLOTS counts of groups by replica id
+PRINTS = IDS + ID_SLOTS  # each group's weights fingerprint + 1 (0: not compared at this step), by replica id
+SENIOR = PRINTS + ID_SLOTS  # 1 for each group that took part in a committed step before this one, by replica id
+KEYS = SENIOR + ID_SLOTS  # KEY_SLOTS sums of the shared settings' hashes
+VECTOR = KEYS + KEY_SLOTS  # the same for every group and every configuration
 MOD = 2**32  # hashes are 32-bit: a sum over up to 2**21 groups stays exact in float64
 
 
@@ -55,8 +65,12 @@ def lighthouse_address(ft_cfg) -> str:
     return address if not address or "://" in address else f"http://{address}"
 
 
+# What reading a /status page raises when nothing, or something that does not speak HTTP (an SSH port), answers.
+LIGHTHOUSE_ERRORS = (OSError, ValueError, http.client.HTTPException)
+
+
 def lighthouse_status(address: str, timeout: float = 3.0) -> str:
-    """The text of the lighthouse's /status page (raises OSError or ValueError when nothing answers there)."""
+    """The text of the lighthouse's /status page (raises one of LIGHTHOUSE_ERRORS when no web server answers)."""
     with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=timeout) as r:
         return r.read(1 << 20).decode(errors="replace")
 
@@ -88,7 +102,7 @@ def lighthouse_problem(ft_cfg) -> str | None:
         )
     try:
         text = lighthouse_status(address)
-    except (OSError, ValueError) as e:
+    except LIGHTHOUSE_ERRORS as e:
         text = f"{type(e).__name__}: {e}"
     if not is_lighthouse(text):
         return (
@@ -112,6 +126,7 @@ def shared_settings(cfg, world_size: int) -> dict[str, str]:
     d = cfg.to_dict()
     flat = {f"{s}.{k}": v for s in SHARED_SECTIONS for k, v in d[s].items()}
     flat |= {f"checkpoint.{k}": d["checkpoint"][k] for k in START_KEYS}
+    flat[INITIAL_LOAD] = bool(cfg.checkpoint.initial_load_path)
     flat["metrics.log_freq"] = cfg.metrics.log_freq  # logged steps sum their loss across the groups
     flat["fault_tolerance.group_count"] = cfg.fault_tolerance.group_count
     flat["fault_tolerance.min_replicas"] = cfg.fault_tolerance.min_replicas
@@ -171,9 +186,93 @@ def weights_fingerprint(tensors) -> int:
     return mine
 
 
+def weights_verdict(prints, senior, mine: float) -> str | None:
+    """Whether this group's weights fingerprint `mine` is wrong, given every group's (`prints`, 0 where a group did
+    not compare at this step) and whether each took part in a committed step before (`senior`): the reference is
+    the senior groups that compared (else all that compared), and its strict majority decides. 'differs' when this
+    group's differ from that majority; 'no majority' when the reference splits evenly; None when fine."""
+    compared = [(p, s > 0) for p, s in zip(prints, senior) if p]
+    reference = [p for p, s in compared if s] or [p for p, _ in compared]
+    if not mine or len(set(reference)) <= 1 and mine in reference:
+        return None
+    top = max(set(reference), key=reference.count)
+    if 2 * reference.count(top) <= len(reference):
+        return "no majority"
+    return "differs" if mine != top else None
+
+
 def any_rank(*flags: bool) -> list[bool]:
     """Each flag: whether it holds on some rank of this group (a collective, so that the ranks decide together)."""
     values = torch.tensor([int(f) for f in flags], dtype=torch.int32)  # CPU: the gloo half of a GPU group
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [bool(v) for v in values.tolist()]
+
+
+# One quorum request's bound: a stop signal is acted on between requests. Not shorter: a request asked again resets
+# the lighthouse's join clock, so requests shorter than its join_timeout_ms get no quorum while a group that
+# heartbeats has not joined (LIGHTHOUSE_COMMAND's is 10 s). At most half of quorum_timeout_seconds: a request under
+# way when the lighthouse dies fails only at its bound, and one more must fit after a restart.
+QUORUM_CALL_SECONDS = 15.0
+
+
+def quorum_request_seconds(ft_cfg) -> float:
+    """The bound of one quorum request (a stop signal waits at most that long)."""
+    return max(1.0, min(QUORUM_CALL_SECONDS, ft_cfg.quorum_timeout_seconds / 2))
+
+
+def longest_quorum_wait(ft_cfg) -> float:
+    """About the longest a group may wait in one step for a quorum without being hung: quorum_timeout_seconds for a
+    quorum (with one request's overrun), then as long again for min_replicas groups."""
+    return 2 * ft_cfg.quorum_timeout_seconds + QUORUM_CALL_SECONDS
+
+
+def _unsupported(cfg, dims) -> str | None:
+    if dims.dp_replicate > 1:
+        return (
+            f"parallelism.data_parallel_replicate_degree = {dims.dp_replicate} inside a fault-tolerant group: the "
+            "replicate dimension is across groups (fault_tolerance.group_count); set it to 1"
+        )
+    for value, key in ((dims.cp, "context_parallel_degree"), (dims.ep, "expert_parallel_degree")):
+        if value > 1:
+            return f"parallelism.{key} = {value} is not supported with fault_tolerance.enable = true yet; set it to 1"
+    if cfg.model.name in ("qwen3_moe", "mixtral"):
+        return f"model.name = {cfg.model.name!r}: Mixtures of Experts are not supported with fault tolerance yet"
+    if cfg.lora.enable:
+        return "lora.enable = true is not supported with fault_tolerance.enable = true yet"
+    return None
+
+
+def fault_tolerance_problem(cfg, dims, check_lighthouse: bool) -> str | None:
+    """Why [fault_tolerance] cannot run this group, or None (also when it is off). check_lighthouse: whether the
+    lighthouse must answer now (not in the dry run)."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return None
+    if ft.replica_id >= ft.group_count:
+        return (
+            f"fault_tolerance.replica_id = {ft.replica_id} is not below fault_tolerance.group_count = "
+            f"{ft.group_count}; valid: 0 to {ft.group_count - 1}"
+        )
+    if ft.min_replicas > ft.group_count:
+        return (
+            f"fault_tolerance.min_replicas = {ft.min_replicas} is more than fault_tolerance.group_count = "
+            f"{ft.group_count}: no step could ever be taken; valid: 1 to {ft.group_count}"
+        )
+    hang, wait = cfg.training.hang_timeout_seconds, longest_quorum_wait(ft)
+    if 0 < hang < wait:
+        return (
+            f"training.hang_timeout_seconds = {hang:g} is shorter than a group may wait for a quorum (about 2 x "
+            f"fault_tolerance.quorum_timeout_seconds = {ft.quorum_timeout_seconds:g}): the hang watch would end a "
+            f"waiting group without a save; valid: 0 (off) or at least {wait:g}, or lower "
+            "fault_tolerance.quorum_timeout_seconds"
+        )
+    problem = _unsupported(cfg, dims)
+    if problem or not check_lighthouse:
+        return problem
+    if importlib.util.find_spec("torchft") is None:
+        return (
+            "fault_tolerance.enable = true needs torchft, which is not installed: pip install -e '.[ft]' "
+            "(or pip install torchft), or set fault_tolerance.enable = false"
+        )
+    return lighthouse_problem(ft)
