@@ -220,15 +220,35 @@ def _rss_peak(opts, name: str, dump: str) -> tuple[int, int]:
     return common.spawn(_real_run, world, "cpu", opts, argv)[0], estimate_parts(cfg, world)["peak"]
 
 
-def measure(opts, name: str, rss: bool = True) -> dict[str, dict[str, int]]:
-    """Estimate, tracked and (with rss) rss figures of one case (bytes, rank 0)."""
+def _case_opts(opts, name: str):
+    """The options with the case's own shape changes."""
+    return argparse.Namespace(**{**vars(opts), **(CASES[name][3] if len(CASES[name]) > 3 else {})})
+
+
+def _tracked_cases(cases: list) -> list:
+    """_tracked of each (opts, name), one after another in this world (one spawn for several cases)."""
+    return [_tracked(opts, name) for opts, name in cases]
+
+
+def tracked_all(opts, names: list[str]) -> dict[str, dict[str, int]]:
+    """The tracked figures of each case, in one spawned world per world size."""
+    out = {}
+    for world in sorted({CASES[n][0] for n in names}):
+        group = [n for n in names if CASES[n][0] == world]
+        results = common.spawn(_tracked_cases, world, "cpu", [(_case_opts(opts, n), n) for n in group])[0]
+        out.update(zip(group, results))
+    return out
+
+
+def measure(opts, name: str, rss: bool = True, tracked: dict | None = None) -> dict[str, dict[str, int]]:
+    """Estimate, tracked (measured here unless given) and (with rss) rss figures of one case (bytes, rank 0)."""
     world = CASES[name][0]
-    opts = argparse.Namespace(**{**vars(opts), **(CASES[name][3] if len(CASES[name]) > 3 else {})})
+    opts = _case_opts(opts, name)
     common.register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
     with tempfile.TemporaryDirectory() as dump:
         cfg = common.trainer_config(opts, dump, world, **_settings(name, opts))
         out = {"estimate": estimate_parts(cfg, world)}
-        out["tracked"] = common.spawn(_tracked, world, "cpu", opts, name)[0]
+        out["tracked"] = tracked or common.spawn(_tracked, world, "cpu", opts, name)[0]
         if not rss:
             out["rss"] = {}
             return out
@@ -272,8 +292,9 @@ def main(argv=None) -> None:
         f"1 x {opts.seq_len} tokens per microbatch; MiB on rank 0"
     )
     results, rows = {}, []
+    tracked = tracked_all(opts, opts.cases)  # one spawned world per world size
     for name in opts.cases:
-        results[name] = measure(opts, name, rss=name not in opts.no_rss)
+        results[name] = measure(opts, name, rss=name not in opts.no_rss, tracked=tracked[name])
         rows += rows_of(name, results[name])
     header = ["case / part", "estimate", "tracked", "est/tracked", "rss", "est/rss"]
     print(common.format_table(header, rows))

@@ -267,6 +267,7 @@ def test_peft_settings_titanlite_does_not_know_are_refused(tmp_path):
     assert peft_settings(folder, args)["rank"] == 4  # unset or false: nothing changes what the adapters compute
 
 
+@pytest.mark.slow  # a benchmark's smoke test, as in test_benchmarks.py
 def test_the_fingerprint_benchmark_runs_at_a_tiny_size(tmp_path):
     from helpers import run_benchmark
 

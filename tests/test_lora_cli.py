@@ -11,6 +11,8 @@ import pytest
 
 from helpers import tiny_argv
 
+pytestmark = pytest.mark.slow  # trains LoRA checkpoints through the commands
+
 BATCH = ("--training.global_batch_size", "8", "--training.local_batch_size", "8", "--validation.enable", "false")
 GREEDY = ("--prompt", "ab", "--max-new-tokens", "6", "--temperature", "0")
 
