@@ -63,7 +63,7 @@ whole "$NGPU" && [[ "$NGPU" -ge 1 ]] || die "NGPU=$NGPU is not valid: the proces
 if [[ -n "$ngpu_given" && "${TITANLITE_DEVICE:-}" != cpu ]]; then  # NCCL: one GPU per process, never two on one
     gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
     if [[ "$gpus" -gt 0 && "$NGPU" -gt "$gpus" ]]; then
-        die "$(python -c "from titanlite.distributed import too_few_gpus; print(too_few_gpus($NGPU, $gpus))")"
+        die "$(python -c "from titanlite.runtime.distributed import too_few_gpus; print(too_few_gpus($NGPU, $gpus))")"
     fi
 fi
 whole "$NNODES" && [[ "$NNODES" -ge 1 ]] || die "NNODES=$NNODES is not valid: the number of nodes, a whole number >= 1"
@@ -86,7 +86,7 @@ if [[ "$MAX_RESTARTS" -gt 0 ]]; then
     # attempt's addresses and fail to connect (pytorch#135712, #167288); give each attempt its own store.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 fi
-# The workers write here how they ended (titanlite/exit_status.py): torchrun exits 1 after it forwarded a stop
+# The workers write here how they ended (titanlite/runtime/exit_status.py): torchrun exits 1 after it forwarded a stop
 # signal, even when every worker saved and exited 0, and then this script exits 0 instead; a worker's user error
 # is printed once by the launcher, which exits 2. A temp folder that is full or read-only only loses this.
 if TITANLITE_EXIT_STATUS_FILE=$(mktemp "${TMPDIR:-/tmp}/titanlite-exit.XXXXXX" 2> /dev/null); then

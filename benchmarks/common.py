@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titanlite.distributed import exit_process, free_port, shutdown
+from titanlite.runtime.distributed import exit_process, free_port, shutdown
 
 BENCH_FLAVOR = "bench"
 
@@ -79,7 +79,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, fn, args, out_di
     finally:
         shutdown(wait_for_peers=finished)  # after a clean run, the ranks leave together
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    exit_process(0)  # no interpreter teardown racing gloo's threads (see titanlite.distributed.exit_process)
+    exit_process(0)  # no interpreter teardown racing gloo's threads (see titanlite.runtime.distributed.exit_process)
 
 
 def spawn(fn, world_size: int, device: str, *args) -> list:

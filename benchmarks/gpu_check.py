@@ -454,7 +454,7 @@ def _register_cut_flavor(shape, opts) -> None:
     from titanlite.config import load
     from titanlite.models.registry import FAMILIES
     from titanlite.plan import validate_for_world
-    from titanlite.sizing import estimate
+    from titanlite.sizing.report import estimate
 
     flavors = FAMILIES[shape.get("model", "llama3")].flavors
     full = flavors[shape["flavor"]]
@@ -491,7 +491,7 @@ def _one_shape(opts, shape) -> dict:
 
     from titanlite.config import load
     from titanlite.plan import validate_for_world
-    from titanlite.sizing import GIB, estimate
+    from titanlite.sizing.report import GIB, estimate
 
     if shape.get("cut") and not opts.tiny:
         _register_cut_flavor(shape, opts)
@@ -897,7 +897,7 @@ def main(argv=None) -> int:
         opts.deadline_at = time.time() + opts.deadline
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     if opts.section:  # a child: one section, its result as JSON
-        from titanlite.metrics import setup_logging
+        from titanlite.observe.metrics import setup_logging
 
         setup_logging()
         result = globals()[f"section_{opts.section}"](opts)

@@ -36,10 +36,10 @@ def _rank(folder: str):
 
     from titanlite.checkpoint.hf_io import load_hf_weights
     from titanlite.config import load
-    from titanlite.distributed import init_distributed
     from titanlite.model_builder import build_model
     from titanlite.models.registry import hf_args
     from titanlite.parallel.dims import ParallelDims
+    from titanlite.runtime.distributed import init_distributed
 
     env = init_distributed()
     cfg = load(

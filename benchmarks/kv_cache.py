@@ -21,9 +21,9 @@ import common
 
 def _run(opts, dtype: str):
     from titanlite.config import load
-    from titanlite.distributed import init_distributed
     from titanlite.generation import generate_timed, inference_model
     from titanlite.parallel.dims import ParallelDims
+    from titanlite.runtime.distributed import init_distributed
 
     cfg = load(
         [

@@ -21,7 +21,7 @@ import common
 def _run(opts, device_type: str) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from titanlite.memory_estimate import activation_bytes
+    from titanlite.sizing.memory import activation_bytes
 
     trainers = {}
     with tempfile.TemporaryDirectory() as dump:

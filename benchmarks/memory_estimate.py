@@ -7,7 +7,7 @@ The shape is wide, shallow and long (hidden 1024, 2 blocks, FFN 2816, vocabulary
 microbatch), so that the model state and the activations, not the interpreter, make up the peak. Each case is
 sized three ways:
 
-- estimate: titanlite.sizing.estimate, what `--dry-run` prints (parameters, gradients, optimizer state, FSDP
+- estimate: titanlite.sizing.report.estimate, what `--dry-run` prints (parameters, gradients, optimizer state, FSDP
   buffers, activations, and the step's peak);
 - tracked: torch's FSDPMemTracker over one train_step of a titanlite Trainer (after a first step, so AdamW's
   state exists), on rank 0. Its categories map onto the estimate's parts: Sharded Param -> parameters,
@@ -107,8 +107,8 @@ def _settings(name: str, opts) -> dict:
 
 def estimate_parts(cfg, world: int) -> dict[str, int]:
     """The dry run's figures for this job, by part (bytes on rank 0)."""
-    from titanlite import sizing
     from titanlite.plan import validate_for_world
+    from titanlite.sizing import report as sizing
 
     plan = validate_for_world(cfg, world, device_type=None)
     est = sizing.estimate(cfg, plan, world)
@@ -129,7 +129,7 @@ def estimate_parts(cfg, world: int) -> dict[str, int]:
 def _output_grad_in_forward(trainer) -> int:
     """Bytes of the output projection's gradient that the loss in chunks makes in forward (this rank's rows)."""
     from titanlite.dtypes import dtype_bytes
-    from titanlite.memory_estimate import gathered_numel
+    from titanlite.sizing.memory import gathered_numel
 
     if trainer.model.loss_chunk_tokens == 0 or not trainer.model.output.weight.requires_grad:  # a LoRA base's
         return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from titanlite.distributed import exit_process, free_port, shutdown
+from titanlite.runtime.distributed import exit_process, free_port, shutdown
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
@@ -254,7 +254,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, out_dir: st
     finally:
         shutdown(wait_for_peers=finished)  # after a clean run, the ranks leave together
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    exit_process(0)  # no interpreter teardown racing gloo's threads (see titanlite.distributed.exit_process)
+    exit_process(0)  # no interpreter teardown racing gloo's threads (see titanlite.runtime.distributed.exit_process)
 
 
 def run_distributed(fn, world_size: int, *args, **kwargs) -> list:

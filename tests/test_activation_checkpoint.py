@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.config import ConfigError, load
-from titanlite.memory_estimate import activation_bytes
 from titanlite.models.args import ModelArgs
 from titanlite.models.decoder import Transformer
 from titanlite.parallel.ac import apply_ac, checkpointed_blocks
 from titanlite.parallel.compile import compile_problem
+from titanlite.sizing.memory import activation_bytes
 
 from helpers import compute_device, make_trainer, run_distributed, tiny_argv, train_all
 
@@ -154,7 +154,7 @@ def _ac_trainer_facts(argv_list):
     """Per argv: losses, state-dict keys, whether every block is its own FSDP unit, local state bytes."""
     from torch.distributed.fsdp import FSDPModule
 
-    from titanlite.memory_estimate import sharded_state_bytes
+    from titanlite.sizing.memory import sharded_state_bytes
 
     out = []
     for argv in argv_list:
@@ -185,8 +185,8 @@ def test_ac_in_fsdp_trainer_same_losses(tmp_path):
         for step, loss in ref["losses"].items():
             assert abs(r["losses"][step] - loss) < 1e-6, (step, r["losses"][step], loss)
     # the dry run counts the same per-rank parameter bytes from the meta model on a fake process group
-    from titanlite import sizing
     from titanlite.plan import validate_for_world
+    from titanlite.sizing import report as sizing
 
     cfg = load(base)
     plan = validate_for_world(cfg, 2, device_type=None)

@@ -256,7 +256,7 @@ def _resume_past_bad_folders(tmp, bf16_model):
 def test_retention_crash_leftovers_and_bad_input(tmp_path):
     from titanlite.checkpoint.catalog import preflight, read_info
     from titanlite.config import ConfigError, load
-    from titanlite.run_control import LOCK_NAME  # the last trainer of _resume_past_bad_folders never ends
+    from titanlite.runtime.run_control import LOCK_NAME  # the last trainer of _resume_past_bad_folders never ends
 
     run_distributed(_save_model_only_last, 2, str(tmp_path))
     folder = tmp_path / "checkpoint"

@@ -115,9 +115,9 @@ def _measured_and_estimated(chunk: int, dtype=torch.bfloat16, vocab=4096, batch=
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from titanlite.memory_estimate import activation_bytes
     from titanlite.models.decoder import Transformer
     from titanlite.models.llama3 import LLAMA3_FLAVORS
+    from titanlite.sizing.memory import activation_bytes
 
     args = LLAMA3_FLAVORS["tiny"].with_overrides(vocab_size=vocab)
     model = Transformer(args)

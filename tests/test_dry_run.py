@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.cli import dry_run
-from titanlite.memory_estimate import BackwardPeak, backward_peak, forward_end_buffer_bytes
+from titanlite.sizing.memory import BackwardPeak, backward_peak, forward_end_buffer_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -178,7 +178,7 @@ def _estimate(monkeypatch, flavor, blocks, compiled, *extra):
     from titanlite.config import load
     from titanlite.models.llama3 import LLAMA3_FLAVORS
     from titanlite.plan import validate_for_world
-    from titanlite.sizing import estimate
+    from titanlite.sizing.report import estimate
 
     monkeypatch.setitem(LLAMA3_FLAVORS, "cut", dataclasses.replace(LLAMA3_FLAVORS[flavor], n_layers=blocks))
     argv = ["--model.flavor", "cut", "--training.seq_len", "8192", "--training.local_batch_size", "2"]
@@ -202,7 +202,7 @@ def test_estimate_is_within_ten_percent_of_the_measured_moe_peak(monkeypatch):
     from titanlite.config import load
     from titanlite.models.qwen3_moe import QWEN3_MOE_FLAVORS
     from titanlite.plan import validate_for_world
-    from titanlite.sizing import estimate
+    from titanlite.sizing.report import estimate
 
     monkeypatch.setitem(QWEN3_MOE_FLAVORS, "cut", dataclasses.replace(QWEN3_MOE_FLAVORS["30B-A3B"], n_layers=11))
     cfg = load(["--model.name", "qwen3_moe", "--model.flavor", "cut", "--training.seq_len", "8192",
@@ -242,7 +242,7 @@ def test_estimate_rules_for_gradients_and_the_compiled_loss(monkeypatch):
 def test_last_microbatch_only_holds_every_units_unsharded_gradient():
     from titanlite.config import load
     from titanlite.plan import validate_for_world
-    from titanlite.sizing import estimate
+    from titanlite.sizing.report import estimate
 
     def sized(sync):
         cfg = load(["--job.config_file", "llama8b_fsdp", "--training.global_batch_size", "16",

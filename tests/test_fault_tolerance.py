@@ -304,8 +304,8 @@ class _Checkpointer:
 
 def _groups(cfg, other=None, step=0, lighthouse=""):
     """A ReplicaGroups of `cfg` at `step` without torchft (its manager adds `other`'s step vector)."""
-    from titanlite.fault_tolerance import ReplicaGroups
     from titanlite.parallel.ft import settings_slots, shared_settings
+    from titanlite.parallel.ft_groups import ReplicaGroups
 
     rg = ReplicaGroups.__new__(ReplicaGroups)
     rg.cfg, rg.ft, rg.participants, rg.name = cfg, cfg.fault_tolerance, 2, f"titanlite_{cfg.fault_tolerance.replica_id}"

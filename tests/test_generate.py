@@ -50,9 +50,9 @@ def _sharded_samples(cfg, ckpt, mesh_shapes):
     from torch.distributed.fsdp import FSDPModule
 
     from titanlite.data.tokenizers import build_tokenizer
-    from titanlite.distributed import init_distributed
     from titanlite.generation import inference_model, load_weights
     from titanlite.parallel.dims import ParallelDims
+    from titanlite.runtime.distributed import init_distributed
 
     init_distributed()
     tok = build_tokenizer("")
@@ -192,8 +192,8 @@ def _cache_and_no_cache(cfg, block_cfg, ckpt, mesh=None):
 def _sharded_cache_and_no_cache(cfg, block_cfg, ckpt):
     import torch.distributed as dist
 
-    from titanlite.distributed import init_distributed
     from titanlite.parallel.dims import ParallelDims
+    from titanlite.runtime.distributed import init_distributed
 
     init_distributed()
     dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=dist.get_world_size())

@@ -186,7 +186,7 @@ def test_a_tied_config_with_its_own_lm_head_loads_as_transformers_does(tmp_path,
 def _import_sharded(folder, replicate):
     import torch.distributed as dist
 
-    from titanlite.distributed import init_distributed
+    from titanlite.runtime.distributed import init_distributed
 
     init_distributed()
     t = make_trainer(

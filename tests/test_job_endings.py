@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from titanlite.exit_status import ENV, read_outcome, record_end, record_failure
+from titanlite.runtime.exit_status import ENV, read_outcome, record_end, record_failure
 
 from helpers import faults_env, run_job, subprocess_env, tiny_argv
 
@@ -87,7 +87,7 @@ def test_an_unwritable_temp_folder_does_not_fail_a_finished_run(tmp_path):
 
 
 def test_the_hang_report_names_the_silent_rank_and_every_phase(tmp_path):
-    from titanlite.hang_watch import HangWatch
+    from titanlite.runtime.hang_watch import HangWatch
 
     ranks = [HangWatch(str(tmp_path), r, 3, timeout_s=60) for r in range(2)]
     for r, watch in enumerate(ranks):
@@ -128,7 +128,7 @@ def _fake_watch(tmp_path, monkeypatch, pids=None):
     and each watcher checks."""
     import types
 
-    from titanlite import hang_watch as hw
+    from titanlite.runtime import hang_watch as hw
 
     clock = types.SimpleNamespace(t=1000.0)
     monkeypatch.setattr(hw, "time", types.SimpleNamespace(time=lambda: clock.t, monotonic=lambda: clock.t))
@@ -154,7 +154,7 @@ def _fake_watch(tmp_path, monkeypatch, pids=None):
 def test_the_watch_judges_silence_and_hangs_on_its_own_clock(tmp_path, monkeypatch):
     """A fault-tolerant group leaves when a rank is silent longer than its limit; time the watcher itself did not
     run (a suspended job) does not count; a rank that ended is not silent; a phase longer than the timeout hangs."""
-    from titanlite import hang_watch as hw
+    from titanlite.runtime import hang_watch as hw
 
     clock, write, tick, spec = _fake_watch(tmp_path, monkeypatch)
     monkeypatch.setattr(hw, "process_stopped", lambda pid: pid == 101)  # rank 1 is stopped (SIGSTOP)
@@ -186,7 +186,7 @@ def test_the_leave_rule_takes_only_a_stopped_process_for_frozen(tmp_path, monkey
     """A rank whose progress file went stale while its process runs or waits (state S or D: a rename stalled on a
     shared file system during a big save) does not take its group out, however long; stopped (SIGSTOP, state T), the
     same rank does. The limit is at least 10 s, whatever quorum_timeout_seconds / 4 is."""
-    from titanlite import hang_watch as hw
+    from titanlite.runtime import hang_watch as hw
 
     rank1 = subprocess.Popen(["sleep", "120"])
     try:
@@ -216,7 +216,7 @@ def test_a_group_leaving_on_one_node_takes_its_other_nodes_out(tmp_path, monkeyp
     """A group of 2 nodes sharing a dump folder (ranks 0-1 on node A, 2-3 on node B); rank 1 stops: node A's
     launcher ends its workers and marks the group's leave; node B's launcher, whose ranks still answer (blocked in the
     quorum, their rank 0 heartbeating), ends its workers too. A marker of an earlier run (same rdzv id) is stale."""
-    from titanlite import hang_watch as hw
+    from titanlite.runtime import hang_watch as hw
 
     clock, write, tick, spec = _fake_watch(tmp_path, monkeypatch)
     monkeypatch.setattr(hw, "process_stopped", lambda pid: pid == 101)
@@ -241,7 +241,7 @@ def test_a_group_leaving_on_one_node_takes_its_other_nodes_out(tmp_path, monkeyp
 def test_workers_that_cannot_tell_their_launcher_watch_each_other(tmp_path, monkeypatch, caplog):
     """The spec file for the launcher's watch cannot be written (a full or read-only temp folder): the workers judge
     themselves (the launcher would watch nothing); when it can, the launcher judges."""
-    from titanlite import hang_watch as hw
+    from titanlite.runtime import hang_watch as hw
 
     monkeypatch.setenv(hw.LAUNCHER_ENV, "1")
     monkeypatch.setenv(ENV, str(tmp_path / "gone" / "status"))
@@ -258,7 +258,7 @@ def test_a_worker_whose_launcher_died_during_its_imports_exits():
     """The launcher names itself (TITANLITE_LAUNCHER_PID): a worker whose launcher died before the worker armed its
     parent-death signal exits at once; one whose named launcher is its live parent, or another job's live process
     (a name inherited from elsewhere), goes on."""
-    from titanlite import run_control
+    from titanlite.runtime import run_control
 
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -281,7 +281,7 @@ def test_a_worker_whose_launcher_died_during_its_imports_exits():
 def test_the_launchers_watch_stops_in_bounded_time_and_a_restart_is_not_the_end(tmp_path, monkeypatch, caplog):
     """A read hung on NFS does not block the launcher's exit; with torchrun restarts left, a verdict is logged and
     says the workers restart (it is not the job's end: nothing recorded for the launcher to print)."""
-    from titanlite import hang_watch as hw
+    from titanlite.runtime import hang_watch as hw
 
     hung = threading.Event()
     monkeypatch.setattr(hw, "_read_json", lambda path: hung.wait(60) and None)

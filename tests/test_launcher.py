@@ -209,8 +209,8 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     """Two ranks on one GPU would fail deep inside NCCL ("Duplicate GPU detected"); say what to set instead."""
     import torch
 
-    from titanlite.distributed import init_distributed
     from titanlite.errors import ConfigError
+    from titanlite.runtime.distributed import init_distributed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -259,7 +259,7 @@ def test_kill_9_of_run_train_sh_stops_the_whole_job(tmp_path):
 
 def test_a_process_that_has_exited_is_not_alive_even_before_it_is_reaped():
     """An orphaned worker stays a zombie until init reaps it; its lock must already count as free."""
-    from titanlite.run_control import pid_alive
+    from titanlite.runtime.run_control import pid_alive
 
     pid = os.fork()
     if pid == 0:

@@ -235,7 +235,7 @@ def test_keep_latest_k_never_deletes_the_step_to_load(tmp_path):
 def test_degenerate_runs_are_warned_about(tmp_path):
     from titanlite.data.build import build_loader
     from titanlite.data.tokenizers import ByteTokenizer
-    from titanlite.summary import degenerate_run_warnings
+    from titanlite.observe.summary import degenerate_run_warnings
 
     (tmp_path / "small.jsonl").write_text(json.dumps({"text": "a short document"}) + "\n")
     cfg = load(
@@ -335,7 +335,7 @@ def test_a_data_error_mid_run_is_one_line_and_exit_2(tmp_path):
 def test_stop_signals_save_at_the_end_of_the_step_and_a_second_ctrl_c_exits(monkeypatch):
     import signal
 
-    from titanlite import run_control
+    from titanlite.runtime import run_control
 
     exits = []
     monkeypatch.setattr(run_control.os, "_exit", exits.append)
@@ -390,7 +390,7 @@ def test_a_really_full_disk(small_disk):
 def test_dump_folder_lock_refuses_a_live_job_even_when_both_start_at_once(tmp_path, monkeypatch):
     import socket
 
-    from titanlite import run_control
+    from titanlite.runtime import run_control
 
     other = {"host": socket.gethostname(), "pid": os.getppid(), "run_id": "", "started": "then"}  # alive
     # A second job on the folder is refused, naming the first.

@@ -18,8 +18,8 @@ from helpers import run_distributed, tiny_argv, wandb_history
 
 
 def test_flops_per_token_8b_by_hand():
-    from titanlite.flops import flops_per_token, param_counts
     from titanlite.models.llama3 import LLAMA3_FLAVORS
+    from titanlite.sizing.flops import flops_per_token, param_counts
 
     args = LLAMA3_FLAVORS["8B"].with_overrides(vocab_size=128256)
     assert args.ffn_hidden_dim == 14336
@@ -46,9 +46,9 @@ def test_flops_per_token_8b_by_hand():
 
 @pytest.mark.parametrize("flavor", ["tiny", "debugmodel", "1B", "8B"])
 def test_param_counts_match_the_model(flavor):
-    from titanlite.flops import param_counts
     from titanlite.models.decoder import Transformer
     from titanlite.models.llama3 import LLAMA3_FLAVORS
+    from titanlite.sizing.flops import param_counts
 
     args = LLAMA3_FLAVORS[flavor]
     args = args.with_overrides(vocab_size=args.vocab_size or 258)
@@ -60,7 +60,7 @@ def test_param_counts_match_the_model(flavor):
 
 
 def test_peak_flops_table():
-    from titanlite.flops import peak_flops
+    from titanlite.sizing.flops import peak_flops
 
     cases = {
         "NVIDIA H100 80GB HBM3": 989e12,
@@ -83,7 +83,7 @@ def test_peak_flops_table():
 
 
 def test_step_line_format():
-    from titanlite.metrics import StepMetrics, format_step_line
+    from titanlite.observe.metrics import StepMetrics, format_step_line
 
     m = StepMetrics(
         step=7,
@@ -119,7 +119,7 @@ def test_step_line_format():
 
 
 def test_eta_is_mean_step_time_without_the_first_step(monkeypatch):
-    from titanlite import metrics
+    from titanlite.observe import metrics
 
     now = [100.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
@@ -224,8 +224,8 @@ def _observed_runs(argv_full, argv_quiet):
     from titanlite.config import load
     from titanlite.data.build import build_loader
     from titanlite.data.tokenizers import build_tokenizer
-    from titanlite.memory_estimate import sharded_state_bytes
     from titanlite.models.decoder import Transformer
+    from titanlite.sizing.memory import sharded_state_bytes
     from titanlite.trainer import Trainer
     from titanlite.validate import Validator
 

@@ -139,7 +139,7 @@ def test_family_init_is_by_name_and_trains(tmp_path):
 def _import_sharded(root, families):
     import torch.distributed as dist
 
-    from titanlite.distributed import init_distributed
+    from titanlite.runtime.distributed import init_distributed
 
     init_distributed()
     world = dist.get_world_size()
@@ -252,7 +252,7 @@ def _greedy_per_family(tmp, sharded):
 
     mesh = None
     if sharded:
-        from titanlite.distributed import init_distributed
+        from titanlite.runtime.distributed import init_distributed
 
         init_distributed()
         mesh = ParallelDims(dp_replicate=1, dp_shard=dist.get_world_size(), world_size=dist.get_world_size())

@@ -130,8 +130,8 @@ def test_published_shapes_and_parameter_counts():
 
 def test_flops_count_active_parameters_only():
     """TorchTitan's HF backend counted every expert (192.9e9 FLOPs/token for 30B-A3B against 37.6e9 native, #4300)."""
-    from titanlite.flops import flops_per_token
     from titanlite.models.qwen3_moe import QWEN3_MOE_FLAVORS
+    from titanlite.sizing.flops import flops_per_token
 
     a = QWEN3_MOE_FLAVORS["30B-A3B"]
     per_token = flops_per_token(a, 8192)  # the sequence length of that measurement
@@ -238,7 +238,7 @@ def test_kv_cache_greedy_equals_no_cache(family):
 
 
 def test_load_balance_in_the_step_line_and_tensorboard(tmp_path):
-    from titanlite.metrics import format_step_line
+    from titanlite.observe.metrics import format_step_line
 
     from helpers import make_trainer, tiny_argv
 

@@ -145,9 +145,9 @@ def _hf_under_ep(folder, out):
     from titanlite.checkpoint.hf_io import save_hf_sharded
     from titanlite.config import load
     from titanlite.data.tokenizers import ByteTokenizer
-    from titanlite.distributed import init_distributed
     from titanlite.generation import generate, inference_model, load_weights
     from titanlite.parallel.dims import ParallelDims
+    from titanlite.runtime.distributed import init_distributed
 
     init_distributed()
     argv = tiny_argv(f"{out}/run", "--model.name", "qwen3_moe", "--model.flavor", "hf",

@@ -61,7 +61,7 @@ def test_invalid_world4(replicate, shard, needles):
 
 
 def _mesh_info(replicate):
-    from titanlite.distributed import init_distributed
+    from titanlite.runtime.distributed import init_distributed
 
     env = init_distributed()
     dims = ParallelDims.from_config(Parallelism(data_parallel_replicate_degree=replicate), env.world_size)

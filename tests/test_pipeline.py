@@ -265,7 +265,7 @@ def test_stage_placement_and_bubble():
     assert bubble_fraction("Interleaved1F1B", 8, 8, 2) == pytest.approx(7 / 23)
     assert bubble_fraction("ZBVZeroBubble", 4, 8, 2) == 0.0
     assert bubble_fraction("1F1B", 1, 8, 1) == 0.0
-    from titanlite.pipeline_sizing import in_flight
+    from titanlite.sizing.pipeline import in_flight
 
     assert [in_flight("GPipe", 8, 0, 32, 1), in_flight("1F1B", 8, 3, 32, 1), in_flight("1F1B", 8, 3, 2, 1)] == [
         32,

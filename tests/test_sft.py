@@ -105,10 +105,10 @@ def test_block_causal_equals_each_document_alone():
 
 
 def _sharded_block_causal(replicate):
-    from titanlite.distributed import init_distributed
     from titanlite.model_builder import build_model
     from titanlite.models.llama3 import LLAMA3_FLAVORS
     from titanlite.parallel.dims import ParallelDims
+    from titanlite.runtime.distributed import init_distributed
 
     env = init_distributed()
     cfg = load(["--training.mixed_precision_param", "float32", "--model.flavor", "tiny"])

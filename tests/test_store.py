@@ -198,7 +198,7 @@ def test_corrupt_foreign_and_stale_stores(tmp_path, docs_jsonl):
 
 
 def _build_in_job(cfg_argv):
-    from titanlite.distributed import init_distributed
+    from titanlite.runtime.distributed import init_distributed
 
     init_distributed()
     cfg = load(cfg_argv)

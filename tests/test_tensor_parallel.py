@@ -165,9 +165,9 @@ def _hf_under_tp(folder, out):
     from titanlite.checkpoint.hf_io import save_hf_sharded
     from titanlite.config import load
     from titanlite.data.tokenizers import ByteTokenizer
-    from titanlite.distributed import init_distributed
     from titanlite.generation import generate, inference_model, load_weights
     from titanlite.parallel.dims import ParallelDims
+    from titanlite.runtime.distributed import init_distributed
 
     init_distributed()
     argv = tiny_argv(
@@ -220,13 +220,13 @@ def _tp_activation_peak(ac_name, chunk):
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titanlite.distributed import init_distributed
     from titanlite.loss import loss_parallel_context, microbatch_loss
-    from titanlite.memory_estimate import activation_bytes
     from titanlite.models.decoder import Transformer
     from titanlite.models.decoder_tp import parallelize_decoder
     from titanlite.models.llama3 import LLAMA3_FLAVORS
     from titanlite.parallel.ac import apply_ac
+    from titanlite.runtime.distributed import init_distributed
+    from titanlite.sizing.memory import activation_bytes
 
     init_distributed()
     args = LLAMA3_FLAVORS["tiny"].with_overrides(vocab_size=4096, n_layers=4)

@@ -1,6 +1,6 @@
 """`python -m titanlite.generate`: a shim over titanlite.cli.generate (nothing imports this module)."""
 
-from titanlite import early_stop
+from titanlite.runtime import early_stop
 
 early_stop.install()  # a Ctrl-C is a quiet exit, not a traceback
 

@@ -27,13 +27,13 @@ from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
 from titanlite.models.lora import apply_lora, resolve_targets
 from titanlite.models.registry import FAMILIES, model_args, model_class
+from titanlite.observe.wandb_tracker import wandb_problem
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.float8 import float8_problem
 from titanlite.parallel.ft import fault_tolerance_problem
 from titanlite.parallel.pp import pipeline_problem
-from titanlite.run_control import check_lock_free
-from titanlite.wandb_tracker import wandb_problem
+from titanlite.runtime.run_control import check_lock_free
 
 logger = logging.getLogger("titanlite")
 

@@ -1,6 +1,6 @@
 """`python -m titanlite.train`: a shim over titanlite.cli.train (nothing imports this module)."""
 
-from titanlite import early_stop
+from titanlite.runtime import early_stop
 
 early_stop.install()  # before the heavy imports below: a stop during them is a quiet exit, not a traceback
 

@@ -20,28 +20,28 @@ from titanlite.compat import version_warning
 from titanlite.config import JobConfig, gradient_sync_mode
 from titanlite.data.build import build_loader
 from titanlite.data.counted import no_counted_tokens
-from titanlite.distributed import init_distributed, pick_device, set_seed, world_size_from_env
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import NonFiniteLossError
-from titanlite.exit_status import record_end
-from titanlite.fault_tolerance import ReplicaGroups
-from titanlite.flops import flops_per_token
-from titanlite.hang_watch import HangWatch
 from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss, training_loss
-from titanlite.metrics import MetricsLogger
 from titanlite.model_builder import build_model, compiled_loss
 from titanlite.models.rope_attention import describe_attention
 from titanlite.moe_balance import LoadBalance
+from titanlite.observe.metrics import MetricsLogger
+from titanlite.observe.profiling import Profiler
+from titanlite.observe.summary import degenerate_run_warnings, startup_lines, trained_adapters
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallel.ac import describe_ac_compile
 from titanlite.parallel.dims import pipeline_mesh
 from titanlite.parallel.float8 import float8_after_step
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
+from titanlite.parallel.ft_groups import ReplicaGroups
 from titanlite.parallel.pp import Pipeline
 from titanlite.plan import locked_folders, validate_for_world
-from titanlite.profiling import Profiler
-from titanlite.run_control import guard_run, release_all
-from titanlite.summary import degenerate_run_warnings, startup_lines, trained_adapters
+from titanlite.runtime.distributed import init_distributed, pick_device, set_seed, world_size_from_env
+from titanlite.runtime.exit_status import record_end
+from titanlite.runtime.hang_watch import HangWatch
+from titanlite.runtime.run_control import guard_run, release_all
+from titanlite.sizing.flops import flops_per_token
 from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")

@@ -60,7 +60,7 @@ from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import CheckpointSaveError, ConfigError
 from titanlite.models.args import args_to_dict
 from titanlite.optim import optimizer_hyperparameters
-from titanlite.run_control import StopSignals
+from titanlite.runtime.run_control import StopSignals
 
 logger = logging.getLogger("titanlite")
 

@@ -10,9 +10,9 @@ import os
 import sys
 
 from titanlite.config import load, markdown_reference, to_toml
-from titanlite.distributed import pick_device
 from titanlite.errors import ConfigError
 from titanlite.plan import validate_for_world
+from titanlite.runtime.distributed import pick_device
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ from titanlite.data.store_build import (
 )
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
-from titanlite.metrics import setup_logging
+from titanlite.observe.metrics import setup_logging
 
 logger = logging.getLogger("titanlite")
 

@@ -17,7 +17,7 @@ import torch
 from titanlite.config import load
 from titanlite.errors import ConfigError
 from titanlite.plan import validate_for_world
-from titanlite.sizing import DEFAULT_GPU_MEM_GIB, report
+from titanlite.sizing.report import DEFAULT_GPU_MEM_GIB, report
 
 DEFAULT_GPUS_PER_NODE = 8
 

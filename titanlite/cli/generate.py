@@ -21,9 +21,7 @@ from titanlite.checkpoint.catalog import checkpoint_folder
 from titanlite.config import load
 from titanlite.data.chat import load_template
 from titanlite.data.tokenizers import build_tokenizer
-from titanlite.distributed import exit_process, init_distributed, pick_device, shutdown, world_size_from_env
 from titanlite.errors import ConfigError
-from titanlite.exit_status import report_user_error
 from titanlite.generation import (
     generate_timed,
     inference_model,
@@ -32,11 +30,13 @@ from titanlite.generation import (
     resolve_checkpoint,
     settle_lora,
 )
-from titanlite.metrics import setup_logging
 from titanlite.models.hf_config import hf_folder, is_hf_folder
 from titanlite.models.registry import family_of_folder, model_args
+from titanlite.observe.metrics import setup_logging
 from titanlite.parallel.dims import ParallelDims
 from titanlite.plan import check_experts, check_tensor_parallel
+from titanlite.runtime.distributed import exit_process, init_distributed, pick_device, shutdown, world_size_from_env
+from titanlite.runtime.exit_status import report_user_error
 
 logger = logging.getLogger("titanlite")
 

@@ -2,16 +2,16 @@
 (also for `python -m titanlite.generate --nproc N`, and usable in place of `torchrun` for any titanlite module).
 
 It runs torchrun's own entry point (`torch.distributed.run.main`) in this process; what changes is how a failed
-job ends. When a worker recorded a user error (titanlite.exit_status), its message is printed once and the exit
+job ends. When a worker recorded a user error (titanlite.runtime.exit_status), its message is printed once and the exit
 status is 2, with no ChildFailedError dump and no closing-signal log lines; when a run failed (a non-finite loss)
 or the watch found the job hung, the message is printed once and the exit status is 1; any other failure prints
 torchrun's failure table (which rank, exit code, signal) without torchrun's own traceback, and exits 1. A stop
 signal (Ctrl-C, a scheduler's SIGTERM) ends with status 0 when the workers saved a checkpoint after it, else with
 one line and 128 + the signal.
 
-This process also watches its workers' progress (titanlite.hang_watch.LauncherWatch): a worker that freezes cannot
-stop a watch that runs here, so a hung job (a one-process one too) ends with its report, and a fault-tolerant group
-with a frozen rank leaves the job so that the other groups go on.
+This process also watches its workers' progress (titanlite.runtime.hang_watch.LauncherWatch): a worker that
+freezes cannot stop a watch that runs here, so a hung job (a one-process one too) ends with its report, and a
+fault-tolerant group with a frozen rank leaves the job so that the other groups go on.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import signal
 import sys
 import tempfile
 
-from titanlite.exit_status import ENV, read_outcome
-from titanlite.hang_watch import LauncherWatch
-from titanlite.run_control import LAUNCHER_PID_ENV
+from titanlite.runtime.exit_status import ENV, read_outcome
+from titanlite.runtime.hang_watch import LauncherWatch
+from titanlite.runtime.run_control import LAUNCHER_PID_ENV
 
 
 class _HideAfterUserError(logging.Filter):

@@ -6,10 +6,10 @@ import logging
 import os
 
 from titanlite.config import load, to_toml
-from titanlite.distributed import exit_process, shutdown
 from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError, ReplicaGroupsError
-from titanlite.exit_status import ENV, read_outcome, report_failure, report_user_error
-from titanlite.metrics import setup_logging
+from titanlite.observe.metrics import setup_logging
+from titanlite.runtime.distributed import exit_process, shutdown
+from titanlite.runtime.exit_status import ENV, read_outcome, report_failure, report_user_error
 from titanlite.trainer import Trainer
 
 logger = logging.getLogger("titanlite")

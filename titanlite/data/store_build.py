@@ -35,7 +35,7 @@ from titanlite.data.store import (
     write_manifest,
 )
 from titanlite.errors import ConfigError
-from titanlite.run_control import pid_alive
+from titanlite.runtime.run_control import pid_alive
 
 logger = logging.getLogger("titanlite")
 

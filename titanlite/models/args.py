@@ -169,7 +169,7 @@ class ModelArgs:
         }
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs (forward + backward) per token at this sequence length (see titanlite/flops.py); an MoE
+        """Training FLOPs (forward + backward) per token at this sequence length (see titanlite/sizing/flops.py); an MoE
         counts the parameters a token is computed with (top_k experts), not every expert."""
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * self.param_counts()["active_non_embedding"] + attention

@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from titanlite.exit_status import ENV, record_failure
-from titanlite.hang_report import describe, hung_line, leave_line, left_line
+from titanlite.runtime.exit_status import ENV, record_failure
+from titanlite.runtime.hang_report import describe, hung_line, leave_line, left_line
 
 logger = logging.getLogger("titanlite")
 

@@ -1,5 +1,5 @@
 """The hang watch's words: the report of a hung job (who stopped answering, who was ended, who still runs and
-where) and the lines of a fault-tolerant group that leaves the job (titanlite.hang_watch judges; this says it)."""
+where) and the lines of a fault-tolerant group that leaves the job (runtime.hang_watch judges; this says it)."""
 
 from __future__ import annotations
 

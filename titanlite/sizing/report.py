@@ -3,7 +3,7 @@
 It builds the device mesh over a fake process group (as rank 0), the model on the meta device with
 activation checkpointing, compile and FSDP applied as the Trainer does, and reports each rank's
 parameter, gradient, optimizer, FSDP buffer and activation bytes against a GPU's memory (formulas in
-titanlite.memory_estimate). `python -m titanlite.dry_run` is its CLI.
+titanlite.sizing.memory). `python -m titanlite.dry_run` is its CLI.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-from titanlite import memory_estimate as me
 from titanlite.compat import fake_store
 from titanlite.config import gradient_sync_mode
 from titanlite.dtypes import dtype_bytes
@@ -21,7 +20,8 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.ac import ac_label, describe_ac_compile
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.fsdp import describe, gradient_sync_plan
-from titanlite.pipeline_sizing import pipeline_report
+from titanlite.sizing import memory as me
+from titanlite.sizing.pipeline import pipeline_report
 
 DEFAULT_GPU_MEM_GIB = 80.0
 # Kept free for the CUDA context, NCCL's buffers and the caching allocator's fragmentation.
@@ -54,7 +54,7 @@ class MemoryEstimate:
 
     def moments(self) -> dict[str, int]:
         """Bytes on the GPU beyond the resident state at each moment that can make the step's peak (see
-        titanlite.memory_estimate): FSDP's buffers, the activations then and, with accumulation, the gradients."""
+        titanlite.sizing.memory): FSDP's buffers, the activations then and, with accumulation, the gradients."""
         act = self.activations
         held = self.held_grads if self.grads_with_activations and not self.on_cpu else 0
         # With accumulation every gradient is held already: the walk's share of reduced ones is not added twice.

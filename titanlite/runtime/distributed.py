@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.errors import ConfigError
-from titanlite.run_control import die_with_launcher
+from titanlite.runtime.run_control import die_with_launcher
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def too_few_gpus(processes: int, gpus: int) -> str:
 
 def init_distributed(hang_timeout_s: float = 0.0) -> Env:
     """Join (or, without torchrun, create a one-process) process group for this device. Its collectives time
-    out after torch's default, or later than hang_timeout_s (titanlite.hang_watch reports a hang first). Under
+    out after torch's default, or later than hang_timeout_s (titanlite.runtime.hang_watch reports a hang first). Under
     torchrun, this process dies with its launcher (run_control.die_with_launcher)."""
     die_with_launcher()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

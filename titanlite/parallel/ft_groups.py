@@ -103,7 +103,7 @@ class ReplicaGroups:
         self.healed_at: list[int] = []
         self.skipped_sequences = 0
         # A frozen rank must take its group out before the live groups' quorum times out: while this group's rank 0
-        # heartbeats, the lighthouse keeps it and refuses them a quorum without it (titanlite.hang_watch).
+        # heartbeats, the lighthouse keeps it and refuses them a quorum without it (titanlite.runtime.hang_watch).
         trainer.hang.leave_when_silent(ft.quorum_timeout_seconds / 4, ft.replica_id)
 
     # ---------------------------------------------------------------- the step

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titanlite.flops import peak_flops
-from titanlite.wandb_tracker import WandbRun
+from titanlite.observe.wandb_tracker import WandbRun
+from titanlite.sizing.flops import peak_flops
 
 logger = logging.getLogger("titanlite")
 

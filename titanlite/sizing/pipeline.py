@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from titanlite import memory_estimate as me
 from titanlite.compat import fake_store
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model, chunked_loss_tokens, compiled_loss
@@ -23,6 +22,7 @@ from titanlite.models.registry import model_class
 from titanlite.models.stage import part_sizes
 from titanlite.parallel.fsdp import describe
 from titanlite.parallel.pp import bubble_fraction, pipeline_microbatches, rank_stages, stage_blocks, stages_per_rank
+from titanlite.sizing import memory as me
 
 GIB = 1024**3
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from titanlite.flops import flops_per_token, param_counts
-from titanlite.memory_estimate import OPTIMIZER_STATES, sharded_state_bytes
+from titanlite.sizing.flops import flops_per_token, param_counts
+from titanlite.sizing.memory import OPTIMIZER_STATES, sharded_state_bytes
 
 
 def human_bytes(n: float) -> str:

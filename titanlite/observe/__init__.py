@@ -1,0 +1,1 @@
+"""What a run reports about itself: the step log and TensorBoard, Weights & Biases, profiling, the start-up summary."""
