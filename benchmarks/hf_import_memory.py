@@ -54,7 +54,7 @@ def _rank(folder: str):
     )
     args = hf_args(folder)
     dims = ParallelDims.from_config(cfg.parallelism, env.world_size)
-    model = build_model(cfg, args, dims.build_mesh("cpu")).model
+    model = build_model(cfg, args, dims.build_meshes("cpu")).model
     model.to_empty(device="cpu")
     model.init_buffers()
     dist.barrier()

@@ -37,7 +37,7 @@ def _run(opts, dtype: str):
     )
     env = init_distributed()
     world, device = env.world_size, env.device
-    mesh = ParallelDims.from_config(cfg.parallelism, world).build_mesh(device.type) if world > 1 else None
+    mesh = ParallelDims.from_config(cfg.parallelism, world).build_meshes(device.type) if world > 1 else None
     model = inference_model(cfg, 258, device, mesh)
     model.init_weights(cfg.training.seed)
     if mesh is None and dtype != "float32":  # a plain model computes in its parameters' dtype (not the RoPE table)

@@ -316,7 +316,11 @@ def _groups(cfg, other=None, step=0, lighthouse=""):
     rg.weights, rg.quorum_seen, rg.finished_peers, rg.resumed_step, rg.healed_at = 0, None, [], 0, []
     rg.quorum_now, rg.committed = None, 0
     rg.trainer = types.SimpleNamespace(
-        step=step, checkpointer=_Checkpointer(), check_finite=lambda: None, model=torch.nn.Linear(2, 2)
+        step=step,
+        checkpointer=_Checkpointer(),
+        check_finite=lambda: None,
+        model=torch.nn.Linear(2, 2),
+        hang=types.SimpleNamespace(phase=lambda what: None),
     )
     rg.manager = _SumWith(other)
     return rg

@@ -59,7 +59,7 @@ def _sharded_samples(cfg, ckpt, mesh_shapes):
     out = {}
     for replicate, shard in mesh_shapes:
         dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, world_size=dist.get_world_size())
-        model = inference_model(cfg, tok.vocab_size, torch.device("cpu"), dims.build_mesh("cpu"))
+        model = inference_model(cfg, tok.vocab_size, torch.device("cpu"), dims.build_meshes("cpu"))
         assert isinstance(model.layers[0], FSDPModule)
         local = model.layers[0].attention.wq.weight.to_local().shape[0]
         load_weights(model, ckpt)
@@ -197,7 +197,7 @@ def _sharded_cache_and_no_cache(cfg, block_cfg, ckpt):
 
     init_distributed()
     dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=dist.get_world_size())
-    return _cache_and_no_cache(cfg, block_cfg, ckpt, dims.build_mesh("cpu"))
+    return _cache_and_no_cache(cfg, block_cfg, ckpt, dims.build_meshes("cpu"))
 
 
 def test_kv_cache_generation_equals_no_cache_fsdp2(trained):

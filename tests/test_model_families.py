@@ -256,7 +256,7 @@ def _greedy_per_family(tmp, sharded):
 
         init_distributed()
         mesh = ParallelDims(dp_replicate=1, dp_shard=dist.get_world_size(), world_size=dist.get_world_size())
-        mesh = mesh.build_mesh("cpu")
+        mesh = mesh.build_meshes("cpu", True)
     out = {}
     for family in FAMILIES:
         cfg = load(tiny_argv(tmp, "--model.name", family, "--training.seq_len", "128"))

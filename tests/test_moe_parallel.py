@@ -146,7 +146,7 @@ def _hf_under_ep(folder, out):
     from titanlite.config import load
     from titanlite.data.tokenizers import ByteTokenizer
     from titanlite.generation import generate, inference_model, load_weights
-    from titanlite.parallel.dims import ParallelDims
+    from titanlite.parallel.dims import Meshes, ParallelDims
     from titanlite.runtime.distributed import init_distributed
 
     init_distributed()
@@ -157,10 +157,8 @@ def _hf_under_ep(folder, out):
     save_hf_sharded(t.model, f"{out}/export", torch.float32, ByteTokenizer())
     cfg = load(argv)
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
-    model = inference_model(
-        cfg, 258, torch.device("cpu"), mesh, expert_mesh=replace(dims, ep=1).build_expert_mesh("cpu")
-    )
+    meshes = Meshes(dims.build_mesh("cpu"), expert=replace(dims, ep=1).build_expert_mesh("cpu"))
+    model = inference_model(cfg, 258, torch.device("cpu"), meshes)
     load_weights(model, folder)
     tokens = generate(model, [1, 2, 3, 4, 5], 24)
     return full if dist.get_rank() == 0 else None, tokens

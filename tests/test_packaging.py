@@ -157,6 +157,58 @@ def test_imports_run_one_way():
     assert not problems, "\n".join(problems)
 
 
+# Bands inside the components: what each package must never import (its __main__ shim excepted).
+BANDS = {
+    "models": ("parallel", "checkpoint", "data", "runtime", "sizing", "observe", "model_builder", "generation"),
+    "parallel": ("checkpoint", "data", "runtime", "sizing", "observe", "model_builder", "generation"),
+    "checkpoint": ("model_builder", "parallel", "sizing", "observe", "generation"),
+    "data": ("models", "parallel", "checkpoint", "model_builder", "sizing", "observe"),
+    "runtime": ("models", "parallel", "checkpoint", "data", "model_builder", "sizing", "observe", "config"),
+    "observe": ("parallel", "checkpoint", "data", "model_builder", "runtime"),
+    "sizing": ("checkpoint", "data", "runtime", "observe", "generation"),
+}
+
+
+def _imports_by_module() -> dict[str, set[str]]:
+    import ast
+
+    found = {}
+    for path in (ROOT / "titanlite").rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("titanlite"):
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names if a.name.startswith("titanlite")}
+        found[module] = names
+    return found
+
+
+def _band_problems(imports: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, names in imports.items():
+        parts = module.split(".")
+        if len(parts) < 3 or parts[1] not in BANDS or parts[-1] == "__main__":
+            continue
+        for name in names:
+            target = name.split(".")[1] if name.count(".") else ""
+            if target in BANDS[parts[1]]:
+                problems.append(f"{module} imports {name} ({parts[1]}/ must not import {target})")
+    return sorted(problems)
+
+
+def test_components_keep_their_bands():
+    """models/ never reaches parallel/ or checkpoint/, checkpoint/ never builds a model, and so on (BANDS)."""
+    problems = _band_problems(_imports_by_module())
+    assert not problems, "\n".join(problems)
+    assert _band_problems({"titanlite.models.decoder": {"titanlite.parallel.fsdp"}}) == [
+        "titanlite.models.decoder imports titanlite.parallel.fsdp (models/ must not import parallel)"
+    ]
+    assert _band_problems({"titanlite.checkpoint.lora_export": {"titanlite.model_builder"}})
+
+
 def test_torch_range_is_the_one_compat_admits(monkeypatch):
     """pyproject.toml and titanlite/compat.py name the same torch versions; outside them the run warns."""
     import torch

@@ -114,7 +114,7 @@ def _sharded_block_causal(replicate):
     cfg = load(["--training.mixed_precision_param", "float32", "--model.flavor", "tiny"])
     dims = ParallelDims(dp_replicate=replicate, dp_shard=env.world_size // replicate, world_size=env.world_size)
     args = LLAMA3_FLAVORS["tiny"].with_overrides(vocab_size=258, attention="block_causal")
-    model = build_model(cfg, args, dims.build_mesh("cpu")).model
+    model = build_model(cfg, args, dims.build_meshes("cpu")).model
     model.to_empty(device="cpu")
     model.init_weights(0)
     return _packed_run(model)  # every rank the same batch: averaged gradients are that batch's

@@ -178,7 +178,7 @@ def _hf_under_tp(folder, out):
     save_hf_sharded(t.model, f"{out}/export", torch.float32, ByteTokenizer())
     cfg = load(argv)
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
-    model = inference_model(cfg, 258, torch.device("cpu"), dims.build_mesh("cpu"))
+    model = inference_model(cfg, 258, torch.device("cpu"), dims.build_meshes("cpu"))
     load_weights(model, folder)
     tokens = generate(model, [1, 2, 3, 4, 5], 32)
     return full if dist.get_rank() == 0 else None, tokens, model.layers[0].attention.n_kv_heads

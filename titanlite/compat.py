@@ -10,6 +10,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 
 SUPPORTED = ((2, 11), (2, 16))  # [lowest, past the highest) minor versions, as pyproject.toml admits
 
@@ -147,3 +149,27 @@ def forward_only_schedule(stages: list, n_microbatches: int, loss_fn, stage_to_r
             )
 
     return ForwardOnly()
+
+
+class PipelineStageKeepingAllReduce(PipelineStage):
+    """torch's PipelineStage, whose gradient reduction after a local batch keeps the delayed all-reduce: torch's
+    turns FSDP's gradient sync on, which also turns the all-reduce across replicas back on. Overrides the stage's
+    internal perform_reduce_grad (torch 2.11-2.15)."""
+
+    all_reduce = True  # False before the last accumulation microbatch (parallelism.gradient_sync = delay_all_reduce)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        root = self.submod
+        if self.all_reduce or not isinstance(root, FSDPModule):
+            return super().perform_reduce_grad(grad_scale_factor)
+        turn_on = root.set_requires_gradient_sync
+
+        def sync_without_all_reduce(requires: bool, *, recurse: bool = True) -> None:
+            turn_on(requires, recurse=recurse)
+            root.set_requires_all_reduce(False, recurse=recurse)
+
+        root.set_requires_gradient_sync = sync_without_all_reduce
+        try:
+            super().perform_reduce_grad(grad_scale_factor)
+        finally:
+            del root.set_requires_gradient_sync

@@ -81,15 +81,14 @@ def inference_model(
     cfg: JobConfig,
     vocab_size: int,
     device: torch.device,
-    mesh=None,
+    meshes=None,
     checkpoint: str | Path | None = None,
-    expert_mesh=None,
 ) -> torch.nn.Module:
-    """The model of `cfg` on `device`, sharded over `mesh` for inference (or plain when None; an MoE's experts over
-    expert_mesh, built with ep 1) in eval mode; weights empty. checkpoint: the weights it will load, checked to fit
+    """The model of `cfg` on `device`, sharded over `meshes` for inference (parallel/dims.py; plain when None) in
+    eval mode; weights empty. checkpoint: the weights it will load, checked to fit
     before any memory is allocated."""
     args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
-    model = build_model(cfg, args, mesh, inference=True, expert_mesh=expert_mesh).model
+    model = build_model(cfg, args, meshes, inference=True).model
     if checkpoint is not None:
         check_weights_fit(model, checkpoint)
     model.to_empty(device=device)

@@ -16,7 +16,8 @@ from titanlite.models.registry import model_class
 from titanlite.models.stage import StageModule, keep_only, part_sizes
 from titanlite.parallel.ac import apply_ac
 from titanlite.parallel.compile import apply_compile
-from titanlite.parallel.dims import pipeline_mesh, split_mesh
+from titanlite.parallel.cp import apply_cp
+from titanlite.parallel.dims import Meshes
 from titanlite.parallel.ep import apply_ep
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.fsdp import apply_fsdp
@@ -54,21 +55,19 @@ def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
     return 0 if compiled_loss(cfg, tp) else cfg.training.loss_chunk_tokens
 
 
-def build_model(
-    cfg: JobConfig, args, mesh, *, inference: bool = False, expert_mesh=None, cp_mesh=None, sequence_mesh=None
-) -> BuiltModel:
-    """The model of `cfg` with shape `args` on the meta device, parallelised over `mesh` (None: not sharded).
+def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool = False) -> BuiltModel:
+    """The model of `cfg` with shape `args` on the meta device, parallelised over `meshes` (None: not sharded).
 
     Training applies tensor parallelism (a "tp" mesh dimension), [float8] linears (parallel/float8.py), [lora]
     adapters (models/lora.py: the base frozen),
-    expert parallelism (an MoE model's experts over `expert_mesh`'s "ep" ranks: ParallelDims.build_expert_mesh),
+    expert parallelism (an MoE model's experts over the expert mesh's "ep" ranks), context parallelism,
     [activation_checkpoint], [compile] and FSDP with the configured reshard policy on the data-parallel sub-mesh (the
     experts on the expert mesh); inference applies tensor parallelism without sequence or loss parallelism, the
     adapters (unmerged) and FSDP, resharding every block after its forward.
     """
     with torch.device("meta"):
         model = model_class(cfg.model.name)(args)
-    dp_mesh, tp_mesh = split_mesh(mesh) if mesh is not None else (None, None)
+    dp_mesh, tp_mesh = (meshes.data_parallel, meshes.tp) if meshes is not None else (None, None)
     if tp_mesh is not None:
         p = cfg.parallelism
         apply_tp(
@@ -86,16 +85,15 @@ def build_model(
         apply_lora(model, cfg.lora, base_dtype=None if inference else TORCH_DTYPES[cfg.lora.base_dtype])
     if args.moe:
         model.set_load_balance("none" if inference else cfg.moe.load_balance)
-        if mesh is not None:
-            apply_ep(model, expert_mesh, tp=1 if tp_mesh is None else tp_mesh.size())
-    if cp_mesh is not None:  # context parallelism: each rank computes its chunks of every sequence
-        model.set_context_parallel(cp_mesh.get_group(), sequence_mesh.get_group() if sequence_mesh else None)
+        if meshes is not None:
+            apply_ep(model, meshes.expert, tp=1 if tp_mesh is None else tp_mesh.size())
+    apply_cp(model, meshes)  # context parallelism: each rank computes its chunks of every sequence
     if not inference:
         model.loss_chunk_tokens = chunked_loss_tokens(cfg, 1 if tp_mesh is None else tp_mesh.size())
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
     compiled = 0 if inference else apply_compile(model, cfg.compile)
     built = BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=0, float8=float8)
-    pp_mesh = pipeline_mesh(mesh)
+    pp_mesh = meshes.pp if meshes is not None else None
     units = [model]  # the FSDP roots: the model, or this rank's pipeline stages
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if pp_mesh is not None and not inference:
@@ -103,7 +101,7 @@ def build_model(
         # A stage runs forward over every pipeline microbatch before their backwards: gathering its parameters once
         # per local batch, not once per microbatch (and a zero-bubble schedule's weight backward needs them).
         reshard = "never" if reshard == "default" else reshard
-    if mesh is not None:
+    if meshes is not None:
         for unit in units:
             built.num_sharded += apply_fsdp(
                 unit,
@@ -112,7 +110,7 @@ def build_model(
                 reduce_dtype=cfg.training.mixed_precision_reduce,
                 reshard_after_forward="always" if inference else reshard,
                 cpu_offload=cfg.training.enable_cpu_offload and not inference,
-                expert_mesh=expert_mesh,
+                expert_mesh=meshes.expert,
             )
     return built
 

@@ -26,13 +26,11 @@ from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
 from titanlite.models.lora import apply_lora, resolve_targets
-from titanlite.models.registry import FAMILIES, model_args, model_class
+from titanlite.models.registry import model_args, model_class
 from titanlite.observe.wandb_tracker import wandb_problem
-from titanlite.parallel.compile import compile_problem
+from titanlite.parallel import compile as compile_kind
+from titanlite.parallel import cp, ep, float8, fsdp, ft, pp, tp
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.float8 import float8_problem
-from titanlite.parallel.ft import fault_tolerance_problem
-from titanlite.parallel.pp import pipeline_problem
 from titanlite.runtime.run_control import check_lock_free
 
 logger = logging.getLogger("titanlite")
@@ -59,12 +57,6 @@ def resolve(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, int, int]:
     # a fault-tolerant group reads its part of each global batch: the dp ranks of all groups split it
     groups = cfg.fault_tolerance.group_count if cfg.fault_tolerance.enable else 1
     global_batch, grad_accum = batch_plan(cfg, dims.dp_degree * groups)
-    raf = cfg.parallelism.fsdp_reshard_after_forward
-    if raf.isdigit() and dims.dp_shard % int(raf):
-        raise ConfigError(
-            f"parallelism.fsdp_reshard_after_forward = {raf} must divide the shard degree "
-            f"{dims.dp_shard}; valid: default, always, never or a divisor of {dims.dp_shard}"
-        )
     return dims, global_batch, grad_accum
 
 
@@ -78,35 +70,6 @@ def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
     apply_lora(model, cfg.lora)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in frozen}
-
-
-def check_context_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
-    """ConfigError when parallelism.context_parallel_degree cannot split this job's sequences, or is combined with
-    what it does not support yet."""
-    cp = dims.cp
-    if cp == 1:
-        return
-    p, t = cfg.parallelism, cfg.training
-    # an MoE's tp ranks route their own shares of each rank's tokens, with or without sequence parallelism
-    split = 2 * cp * (dims.tp if dims.tp > 1 and (p.enable_sequence_parallel or args.moe) else 1)
-    if t.seq_len % split:
-        what = f"2 x context_parallel_degree {cp}" + (
-            f" x tensor_parallel_degree {dims.tp} (sequence parallelism or an MoE)" if split != 2 * cp else ""
-        )
-        raise ConfigError(
-            f"training.seq_len = {t.seq_len} does not split into {what} = {split} equal chunks (each cp rank "
-            f"takes two, one from each end); valid: a multiple of {split}, the nearest "
-            f"{_nearest_multiples(t.seq_len, split)}"
-        )
-    unsupported = [
-        (t.loss_chunk_tokens == 0, "training.loss_chunk_tokens = 0 (the loss of whole logits)"),
-    ]
-    for bad, what in unsupported:
-        if bad:
-            raise ConfigError(
-                f"parallelism.context_parallel_degree = {cp} does not work with {what} yet; set "
-                "context_parallel_degree = 1, or change that setting (docs/long_context.md)"
-            )
 
 
 def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
@@ -186,51 +149,6 @@ class RunPlan:
     model_args: ModelArgs
 
 
-def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, inference: bool = False) -> None:
-    """ConfigError when parallelism.tensor_parallel_degree cannot split this model or sequence; a warning when it
-    is larger than a node's GPUs (TP across nodes runs every block's collectives over the network). inference:
-    generation's plan, without sequence parallelism."""
-    tp = dims.tp
-    if tp == 1:
-        return
-    key = f"parallelism.tensor_parallel_degree = {tp}"
-    folder = hf_folder(cfg.checkpoint.initial_load_path) if cfg.model.flavor == "hf" else None
-    splits = [
-        ("query heads", args.n_heads, "n_heads", "num_attention_heads"),
-        ("KV heads", args.kv_heads, "n_kv_heads", "num_key_value_heads"),
-        ("FFN hidden size", args.ffn_hidden_dim, "", "intermediate_size"),
-    ]
-    for what, n, flavor_field, hf_key in splits:
-        if n % tp:
-            valid = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
-            kv_note = "; KV heads are not replicated across tp ranks" if what == "KV heads" else ""
-            if folder is not None:  # the shape is the HF folder's: only another degree helps
-                where, other = f"{hf_key} in {folder / 'config.json'}{kv_note}", ""
-            else:
-                where = "model.flavor" + (f" (its {flavor_field}{kv_note})" if flavor_field else "")
-                other = f", or a flavor whose {what} tp divides"
-            raise ConfigError(f"{key} does not divide the model's {n} {what} ({where}); valid: {valid}{other}")
-    if args.vocab_size % tp:
-        valid = ", ".join(str(d) for d in range(1, 65) if args.vocab_size % d == 0)
-        raise ConfigError(
-            f"{key} does not divide the vocabulary of {args.vocab_size} rows (the embedding and the output "
-            f"projection are split over it, and checkpoints keep the real vocabulary); valid: {valid}"
-        )
-    p = cfg.parallelism
-    if p.enable_sequence_parallel and not inference and cfg.training.seq_len % tp:
-        raise ConfigError(
-            f"{key} with parallelism.enable_sequence_parallel = true splits every sequence over the tp ranks, but "
-            f"training.seq_len = {cfg.training.seq_len} is not a multiple of {tp}; valid: a multiple of {tp}, or "
-            f"enable_sequence_parallel = false"
-        )
-    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NGPU")
-    if per_node and per_node.isdigit() and tp > int(per_node) and int(os.environ.get("RANK", "0")) == 0:
-        logger.warning(
-            f"{key} is larger than the {per_node} processes per node: tensor parallelism across nodes runs every "
-            f"block's collectives over the network; keep tp within a node (FSDP or HSDP across nodes)"
-        )
-
-
 def locked_folders(cfg: JobConfig) -> dict[str, Path]:
     """The folders a training job locks against a second job, by the config key that names them: the dump
     folder, and the checkpoint folder (wherever it is) when checkpointing is on."""
@@ -240,26 +158,19 @@ def locked_folders(cfg: JobConfig) -> dict[str, Path]:
     return folders
 
 
-def check_experts(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, inference: bool = False) -> None:
-    """ConfigError when expert parallelism cannot split this model's experts or is asked of a dense model."""
-    ep, key = dims.ep, f"parallelism.expert_parallel_degree = {dims.ep}"
-    if not args.moe:
-        if ep > 1:
-            moe = ", ".join(n for n, f in FAMILIES.items() if any(a.moe for a in f.flavors.values()))
-            raise ConfigError(
-                f"{key} splits a Mixture of Experts' experts, but model.name = {cfg.model.name!r} "
-                f"({cfg.model.flavor}) has none; valid: 1, or an MoE family ({moe})"
-            )
-        return
-    if args.n_experts % ep:
-        valid = ", ".join(str(d) for d in range(1, args.n_experts + 1) if args.n_experts % d == 0)
-        raise ConfigError(f"{key} does not divide the model's {args.n_experts} experts; valid: {valid}")
-    if dims.tp > 1 and not inference and cfg.training.seq_len % dims.tp:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree = {dims.tp} with a Mixture of Experts splits every sequence's tokens "
-            f"over the tp ranks to route them, but training.seq_len = {cfg.training.seq_len} is not a multiple of "
-            f"{dims.tp}; valid: a multiple of {dims.tp}"
-        )
+# Each kind of parallelism says why it cannot run a job (parallel/<kind>.py: problem(...) -> str | None), in this
+# order: the first problem found is the one reported.
+PARALLEL_KINDS = (fsdp, tp, ep, cp, float8, ft, pp, compile_kind)
+
+
+def check_parallelism(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device_type: str | None, inference=False):
+    """ConfigError with the first kind of parallelism's problem with this job (device_type None: the dry run, which
+    skips the checks of this machine; inference: generation's plan)."""
+    for kind in PARALLEL_KINDS:
+        if problem := kind.problem(cfg, dims, args, device_type, inference=inference):
+            raise ConfigError(problem)
+    if not inference and (warning := tp.cross_node_warning(dims)) and int(os.environ.get("RANK", "0")) == 0:
+        logger.warning(warning)
 
 
 def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None = "cpu") -> RunPlan:
@@ -286,9 +197,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
     if folder is not None:
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
-    check_tensor_parallel(cfg, dims, args)
-    check_experts(cfg, dims, args)
-    check_context_parallel(cfg, dims, args)
+    check_parallelism(cfg, dims, args, device_type)
     check_lora(cfg, args)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
@@ -296,14 +205,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
             f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} checkpoints no "
             f"block of the {args.n_layers}; valid: 'op' or an integer from 1 to {args.n_layers}"
         )
-    problem = (
-        float8_problem(cfg.float8, tp=dims.tp, lora=cfg.lora.enable, device_type=device_type)
-        or fault_tolerance_problem(cfg, dims, check_lighthouse=device_type is not None)
-        or pipeline_problem(cfg, dims, args)
-        or (compile_problem(cfg.compile, device_type) if device_type else None)
-        or wandb_problem(cfg.metrics)
-    )
-    if problem:
+    if problem := wandb_problem(cfg.metrics):
         raise ConfigError(problem)
     check_data(cfg, tokenizer)
     if device_type is not None:
@@ -313,11 +215,3 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
                 check_lock_free(folder, key)
         check_resume(cfg, args, model_shapes(cfg, args))
     return RunPlan(dims, global_batch, grad_accum, tokenizer, args)
-
-
-def _nearest_multiples(value: int, step: int) -> str:
-    """The positive multiple(s) of step nearest to value: '32', or '32 or 40' when both are as near."""
-    below, above = value - value % step, value - value % step + step
-    if below <= 0 or above - value < value - below:
-        return str(above)
-    return str(below) if value - below < above - value else f"{below} or {above}"

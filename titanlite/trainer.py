@@ -31,10 +31,10 @@ from titanlite.observe.profiling import Profiler
 from titanlite.observe.summary import degenerate_run_warnings, startup_lines, trained_adapters
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallel.ac import describe_ac_compile
-from titanlite.parallel.dims import pipeline_mesh
 from titanlite.parallel.float8 import float8_after_step
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
-from titanlite.parallel.ft_groups import ReplicaGroups
+from titanlite.parallel.ft import data_slice
+from titanlite.parallel.ft_groups import replica_groups
 from titanlite.parallel.pp import Pipeline
 from titanlite.plan import locked_folders, validate_for_world
 from titanlite.runtime.distributed import init_distributed, pick_device, set_seed, world_size_from_env
@@ -68,90 +68,34 @@ class Trainer:
             cfg, world_size_from_env(), device_type=pick_device(int(os.environ.get("LOCAL_RANK", "0"))).type
         )
         self.dims, self.grad_accum, self.tokenizer = plan.dims, plan.grad_accum, plan.tokenizer
-        self.global_batch_size = plan.global_batch_size
-        self.model_args = plan.model_args
+        self.global_batch_size, self.model_args = plan.global_batch_size, plan.model_args
 
         self.env = init_distributed(cfg.training.hang_timeout_seconds)
+        self.device = self.env.device
         self.hang = HangWatch(
             cfg.job.dump_folder, self.env.rank, self.env.world_size, cfg.training.hang_timeout_seconds
         )
-        warning = version_warning() if self.env.rank == 0 else None
-        if warning:
+        if self.env.rank == 0 and (warning := version_warning()):
             logger.warning(warning)
         # One job per dump folder and checkpoint folder; a worker whose launcher died exits instead of training on.
         self.locks, self.watchdog = guard_run(locked_folders(cfg), self.env.rank, self.env.world_size)
         set_seed(cfg.training.seed, cfg.training.deterministic)
-        self.device = self.env.device
-        self.mesh = self.dims.build_mesh(self.device.type)
-        self.expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.model_args.moe else None
-        self.cp_mesh = self.dims.build_cp_mesh(self.device.type)
-        self.sequence_mesh = self.dims.build_sequence_mesh(self.device.type) if self.model_args.moe else None
-        # Data: every dp rank reads its own sequences (the ranks build a missing token store together).
-        loader_args = dict(
-            dp_rank=self.dims.dp_rank(self.env.rank),  # the cp and tp ranks of one dp rank read the same batches
-            dp_degree=self.dims.dp_degree,
-            global_batch_size=self.global_batch_size,
-            pin_memory=self.device.type == "cuda",
-        )
-        ft = cfg.fault_tolerance
-        train_args = dict(loader_args)
-        if ft.enable:  # a fault-tolerant group reads its part of the global batch; each validates on its own
-            train_args.update(
-                dp_rank=ft.replica_id * self.dims.dp_degree + loader_args["dp_rank"],
-                dp_degree=ft.group_count * self.dims.dp_degree,
-            )
-        self.dataloader = build_loader(cfg, self.tokenizer, "training", **train_args)
-        self.validator = None
-        if cfg.validation.enable:
-            self.validator = Validator(cfg, build_loader(cfg, self.tokenizer, "validation", **loader_args))
-        self.tokens_by_source = [0] * len(self.dataloader.names)
-        if self.env.rank == 0:
-            for warning in degenerate_run_warnings(cfg, self.device.type, self.dataloader):
-                logger.warning(warning)
+        self.meshes = self.dims.build_meshes(self.device.type, self.model_args.moe)
+        self.pp_group = self.meshes.pp.get_group() if self.meshes.pp is not None else None  # the grad norm's
 
-        built = build_model(
-            cfg,
-            self.model_args,
-            self.mesh,
-            expert_mesh=self.expert_mesh,
-            cp_mesh=self.cp_mesh,
-            sequence_mesh=self.sequence_mesh,
-        )
-        self.model, self.num_sharded = built.model, built.num_sharded
-        self.model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
-        self.model.init_weights(cfg.training.seed)
-        self.pipeline, self.fsdp_roots = None, [self.model]  # with pp: this rank's stages run by their schedule
-        self.pp_mesh = pipeline_mesh(self.mesh)
-        self.pp_group = self.pp_mesh.get_group() if self.pp_mesh is not None else None  # the grad norm's
-        if built.stages:
-            self.fsdp_roots = built.stages
-            self.pipeline = Pipeline(
-                built.stages, built.stage_ids, len(built.stage_blocks), cfg.parallelism,
-                cfg.training.local_batch_size, self.pp_mesh, self.device, self.model_args.attention == "block_causal",
-            )  # fmt: skip
-            logger.info(self.pipeline.describe(built.stage_blocks, built.stage_ids))
-        roots = len(built.stages) if built.stages else 1
-        for line in describe(self.num_sharded, self.mesh, self.dims, cfg.parallelism, roots) + startup_lines(
-            self.model, self.model_args, self.dims, cfg
-        ):
-            logger.info(line)
-        if built.float8:
-            logger.info(f"Float8: {built.float8} linear layers, {cfg.float8.recipe} scaling (torchao)")
-        logger.info(
-            describe_ac_compile(cfg.activation_checkpoint, built.ac_blocks, built.compiled, self.model_args.n_layers)
-        )
-        kernel = getattr(self.model, "attention_kernel", "auto")
-        logger.info(f"Attention: {describe_attention(self.model_args.attention, kernel, self.device.type)}")
+        self.dataloader, self.validator = self._build_data()
+        self.tokens_by_source = [0] * len(self.dataloader.names)
+        self.model, self.pipeline, self.fsdp_roots = self._build_model()
         self.gradient_sync, sync_line = gradient_sync_plan(
             gradient_sync_mode(cfg.parallelism), self.dims, self.grad_accum
         )
         if sync_line:
             logger.info(sync_line)
-
         # With [compile] on (inductor only: the loss has no graph breaks to hide), the loss is compiled too.
         self.loss_fn = training_loss(compiled_loss(cfg, self.dims.tp))
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.enable_loss_parallel
         self.balance = LoadBalance(self.model, cfg.moe, self.model_args, self.dims, self.global_batch_size)
+
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.after_optimizer_step = float8_after_step(self.model, cfg.float8)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -180,7 +124,59 @@ class Trainer:
             data_identity=data_identity(self.tokenizer, self.dataloader),
         )
         self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
-        self.replicas = ReplicaGroups(cfg, self, self.env) if ft.enable else None  # the groups of a torchft job
+        self.replicas = replica_groups(cfg, self, self.env)  # the groups of a torchft job; a stand-in without
+
+    def _build_data(self):
+        """(the training loader, the validator or None): every dp rank reads its own sequences (the ranks build a
+        missing token store together); the cp, tp and pp ranks of one dp rank read the same batches."""
+        cfg = self.cfg
+        dp_rank = self.dims.dp_rank(self.env.rank)
+        pin = self.device.type == "cuda"
+        rank, degree = data_slice(cfg, self.dims, dp_rank)  # a fault-tolerant group reads its part of each batch
+        train = build_loader(
+            cfg, self.tokenizer, "training", dp_rank=rank, dp_degree=degree,
+            global_batch_size=self.global_batch_size, pin_memory=pin,
+        )  # fmt: skip
+        validator = None
+        if cfg.validation.enable:  # each fault-tolerant group validates on its own
+            loader = build_loader(
+                cfg, self.tokenizer, "validation", dp_rank=dp_rank, dp_degree=self.dims.dp_degree,
+                global_batch_size=self.global_batch_size, pin_memory=pin,
+            )  # fmt: skip
+            validator = Validator(cfg, loader)
+        if self.env.rank == 0:
+            for warning in degenerate_run_warnings(cfg, self.device.type, train):
+                logger.warning(warning)
+        return train, validator
+
+    def _build_model(self):
+        """(the model, the pipeline or None, the FSDP roots): built sharded on the meta device, then allocated and
+        initialised from the seed; with pp, this rank's stages and the schedule that runs them."""
+        cfg = self.cfg
+        built = build_model(cfg, self.model_args, self.meshes)
+        self.num_sharded = built.num_sharded  # fully_shard units besides the roots
+        model, pipeline, roots = built.model, None, [built.model]
+        model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
+        model.init_weights(cfg.training.seed)
+        if built.stages:
+            roots = built.stages
+            pipeline = Pipeline(
+                built.stages, built.stage_ids, len(built.stage_blocks), cfg.parallelism,
+                cfg.training.local_batch_size, self.meshes.pp, self.device, self.model_args.attention == "block_causal",
+            )  # fmt: skip
+            logger.info(pipeline.describe(built.stage_blocks, built.stage_ids))
+        for line in describe(built.num_sharded, self.meshes.world, self.dims, cfg.parallelism, len(roots)):
+            logger.info(line)
+        for line in startup_lines(model, self.model_args, self.dims, cfg):
+            logger.info(line)
+        if built.float8:
+            logger.info(f"Float8: {built.float8} linear layers, {cfg.float8.recipe} scaling (torchao)")
+        logger.info(
+            describe_ac_compile(cfg.activation_checkpoint, built.ac_blocks, built.compiled, self.model_args.n_layers)
+        )
+        kernel = getattr(model, "attention_kernel", "auto")
+        logger.info(f"Attention: {describe_attention(self.model_args.attention, kernel, self.device.type)}")
+        return model, pipeline, roots
 
     def train_step(self, microbatches: list, global_tokens: int | None = None) -> StepOutput:
         """Forward and backward over the microbatches, clip, and step the optimizer and the lr schedule.
@@ -195,15 +191,14 @@ class Trainer:
             dist.all_reduce(count)
             # the cp and tp ranks of a dp rank hold the same labels
             global_tokens = count // (self.dims.tp * self.dims.cp * self.dims.pp)
-            if self.replicas is not None:  # the live groups' tokens: the parts of the absent ones are not trained
-                global_tokens = self.replicas.global_tokens(global_tokens).round().long()
-            global_tokens = global_tokens.clamp(min=1)
+            # with fault tolerance: the live groups' tokens (the parts of the absent ones are not trained)
+            global_tokens = self.replicas.global_tokens(global_tokens).clamp(min=1)
         else:
             global_tokens = max(global_tokens, 1)
         # FSDP averages gradients over the dp ranks (and the cp ranks, each with its part of the tokens); scaling by
         # their number makes the gradient that of (sum of token losses over the global batch) / (valid tokens in it).
-        groups = 1 if self.replicas is None else self.replicas.participants  # averaged over the live groups too
-        scale = self.dims.dp_degree * self.dims.cp * groups / global_tokens
+        # (with fault tolerance: averaged over the live replica groups too)
+        scale = self.dims.dp_degree * self.dims.cp * self.replicas.participants / global_tokens
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             self.hang.phase(f"step {self.step}: forward/backward, microbatch {i + 1} of {len(microbatches)}")
@@ -216,13 +211,11 @@ class Trainer:
                     token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
                     (token_loss_sum * scale + self.balance.aux_term()).backward()
             loss_sum += token_loss_sum.detach()
-        if self.replicas is not None:
-            self.hang.phase(f"step {self.step}: averaging the gradients over the live replica groups")
-            self.replicas.average_gradients(self.model.parameters())
+        self.replicas.average_gradients(self.model.parameters())
         self.hang.phase(f"step {self.step}: gradient norm, clipping and optimizer step")
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm, self.pp_group)
         moe = self.balance.step_done()  # aux_free moves its routing bias before the optimizer step
-        committed = self.replicas is None or self.replicas.commit()
+        committed = self.replicas.commit()
         if committed:
             self.optimizer.step()
             if self.after_optimizer_step is not None:
@@ -236,8 +229,7 @@ class Trainer:
         """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
         total = out.loss_sum.clone()
         dist.all_reduce(total)
-        if self.replicas is not None:
-            total = self.replicas.sum(total)
+        total = self.replicas.sum(total)
         # every tp rank holds its dp rank's loss (with pp: the last stage's ranks; the others hold 0)
         return (total / self.dims.tp / out.global_tokens).item()
 
@@ -260,11 +252,9 @@ class Trainer:
         self.hang.start()
         try:
             while self.step < cfg.training.steps:
-                if self.replicas is not None:
-                    self.hang.phase(f"step {self.step + 1}: waiting for a quorum of replica groups")
-                    if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
-                        break  # a stop signal came while it waited for a quorum: what was committed is saved
-                    data_state = self.dataloader.state_dict()
+                if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
+                    break  # a stop signal came while it waited for a quorum: what was committed is saved
+                data_state = self.dataloader.state_dict()
                 self.step += 1
                 self.hang.phase(f"step {self.step}: waiting for its data")
                 data = self.dataloader.next_step()
@@ -272,14 +262,13 @@ class Trainer:
                     what = f"step {self.step}'s global batch of {self.global_batch_size} sequences"
                     raise no_counted_tokens(self.dataloader, what, cfg.training)
                 lr = self.lr_scheduler.get_last_lr()[0]
-                out = self.train_step(data.microbatches, None if self.replicas else data.global_valid_tokens)
+                out = self.train_step(data.microbatches, self.replicas.known_tokens(data.global_valid_tokens))
                 if not out.committed:  # a group failed during the step: retried with the groups still alive
                     logger.warning(f"Step {self.step} was not committed by every replica group; retrying it")
                     self.step -= 1
                     self.dataloader.load_state_dict(data_state)
                     continue
-                if self.replicas is not None:
-                    self.replicas.count_skipped(self.global_batch_size)
+                self.replicas.count_skipped(self.global_batch_size)
                 self.tokens_seen += data.global_tokens  # padding is not a token trained on
                 for i, n in enumerate(data.sequences_by_source):
                     self.tokens_by_source[i] += n * cfg.training.seq_len
@@ -293,7 +282,7 @@ class Trainer:
                     loss = self.global_loss(out)
                     self.losses[self.step] = loss
                     moe = self.balance.report(out.moe)
-                    replicas = None if self.replicas is None else self.replicas.label()
+                    replicas = self.replicas.label()
                     self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr, moe, replicas))
                 if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
                     self.hang.phase(f"validation at step {self.step}")
@@ -314,9 +303,7 @@ class Trainer:
         finally:
             self.hang.stop()
             self.watchdog.stop()
-            if self.replicas is not None:
-                self._log_replicas()
-                self.replicas.shutdown()
+            self.replicas.close()
             release_all(self.locks)
             self.checkpointer.close()  # waits for an async save and restores the signal handlers
             self.metrics.close()
@@ -324,14 +311,6 @@ class Trainer:
                 self.dataloader.close()  # the prefetch thread
         self._log_sources()
         return self.losses
-
-    def _log_replicas(self) -> None:
-        r = self.replicas
-        healed = f"; healed from a live group at step {', '.join(map(str, r.healed_at))}" if r.healed_at else ""
-        logger.info(
-            f"Fault tolerance: {r.skipped_sequences} sequences of absent replica groups' parts were skipped "
-            f"(not trained){healed}"
-        )
 
     def _log_sources(self) -> None:
         total = sum(self.tokens_by_source)

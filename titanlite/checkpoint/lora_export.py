@@ -17,7 +17,6 @@ from titanlite.checkpoint.lora_io import saved_adapters, write_peft
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
-from titanlite.model_builder import build_model
 from titanlite.models.args import args_from_dict
 from titanlite.models.hf_names import is_routing_bias
 from titanlite.models.lora import merge_adapters
@@ -58,12 +57,13 @@ def export_peft(step: Path, output: Path, dtype: torch.dtype | None) -> int:
 
 
 @torch.no_grad()
-def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_bytes: int) -> int:
+def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_bytes: int, build_model) -> int:
     """Write base + a LoRA checkpoint's adapters merged (W + alpha/r B A) as a HF folder; holds the whole model in
-    memory (in float32); returns the number of adapted projections."""
+    memory (in float32); returns the number of adapted projections. build_model(cfg, args): the run's model with
+    its adapters, unsharded, on the meta device (the model builder's, which checkpoint/ does not import)."""
     base = lora_base_of(step)
     cfg, args = _run_of(step)
-    model = build_model(cfg, args, None, inference=True).model
+    model = build_model(cfg, args)
     model.to_empty(device="cpu")
     model.init_buffers()
     load_initial_weights(model, Path(base["path"]))

@@ -26,6 +26,7 @@ from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
+from titanlite.model_builder import build_model
 from titanlite.models.args import args_from_dict
 from titanlite.models.hf_names import hf_shapes
 from titanlite.models.registry import FAMILIES
@@ -70,7 +71,7 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
         raise ConfigError(f"--checkpoint {step} is not a usable DCP checkpoint: {e}") from None
     if lora_base_of(step) is not None:
         cast = TORCH_DTYPES[dtype] if dtype else None
-        return write_atomically(output, True, lambda tmp: export_merged(step, tmp, cast, max_file_bytes))
+        return write_atomically(output, True, lambda tmp: export_merged(step, tmp, cast, max_file_bytes, _lora_model))
     saved_args, cfg = saved_model_args(step), saved_job_config(step)
     if saved_args is None or cfg is None:
         raise ConfigError(
@@ -121,3 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     numel = sum(v.numel() for v in sd.values())
     print(f"wrote {args.output}: {len(sd)} tensors, {numel:,} values, dtype {args.dtype or 'as saved'}")
     return 0
+
+
+def _lora_model(cfg, args):
+    """A LoRA run's model with its adapters, unsharded, on the meta device."""
+    return build_model(cfg, args, None, inference=True).model

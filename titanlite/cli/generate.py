@@ -34,7 +34,7 @@ from titanlite.models.hf_config import hf_folder, is_hf_folder
 from titanlite.models.registry import family_of_folder, model_args
 from titanlite.observe.metrics import setup_logging
 from titanlite.parallel.dims import ParallelDims
-from titanlite.plan import check_experts, check_tensor_parallel
+from titanlite.plan import check_parallelism
 from titanlite.runtime.distributed import exit_process, init_distributed, pick_device, shutdown, world_size_from_env
 from titanlite.runtime.exit_status import report_user_error
 
@@ -137,23 +137,20 @@ def run(argv: list[str]) -> str:
     settle_lora(cfg, checkpoint, _given_keys(overrides), tokenizer.vocab_size)  # the adapters' own [lora] and base
     _reach_the_models_limit(cfg, tokenizer.vocab_size)
 
-    expert_mesh = None
     if dims is None:  # one process: a plain, unsharded model and no process group
-        device, mesh = pick_device(0), None
+        device, meshes = pick_device(0), None
     else:
         args_ = model_args(
             cfg.model, tokenizer.vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path)
         )
-        check_tensor_parallel(cfg, dims, args_, inference=True)
-        check_experts(cfg, dims, args_, inference=True)
+        check_parallelism(cfg, dims, args_, None, inference=True)
         env = init_distributed()
-        device, mesh = env.device, dims.build_mesh(env.device.type)
+        # an MoE: every rank runs the same tokens, each gathers a block's experts like its other weights
+        device, meshes = env.device, dims.build_meshes(env.device.type, args_.moe)
         logger.info(dims.describe() + ", weights gathered per block on demand")
         if tp_line := dims.describe_tp(False, False):
             logger.info(tp_line)
-        if args_.moe:  # every rank runs the same tokens: each gathers a block's experts like its other weights
-            expert_mesh = dims.build_expert_mesh(env.device.type)
-    model = inference_model(cfg, tokenizer.vocab_size, device, mesh, checkpoint, expert_mesh=expert_mesh)
+    model = inference_model(cfg, tokenizer.vocab_size, device, meshes, checkpoint)
     if checkpoint is None:
         model.init_weights(cfg.training.seed)
         logger.info(f"Untrained weights (seed {cfg.training.seed})")

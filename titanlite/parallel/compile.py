@@ -9,6 +9,11 @@ from torch import nn
 from titanlite.compat import cpp_compiler_error, has_triton
 
 
+def problem(cfg, dims=None, args=None, device_type: str | None = None, inference: bool = False) -> str | None:
+    """Why [compile] cannot run on this machine, or None (the dry run, device_type None, does not ask)."""
+    return compile_problem(cfg.compile, device_type) if device_type and not inference else None
+
+
 def compile_problem(compile_cfg, device_type: str) -> str | None:
     """Why `[compile]` cannot work on this machine for `device_type`, or None when it can (or is off)."""
     if not compile_cfg.enable or compile_cfg.backend != "inductor":

@@ -15,6 +15,7 @@ holds one pipeline stage (or several: parallel/pp.py) and is a whole data/tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -180,6 +181,16 @@ class ParallelDims:
         """The DeviceMesh over all ranks (the process group must exist)."""
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
 
+    def build_meshes(self, device_type: str, moe: bool = False) -> Meshes:
+        """Every mesh a run of these degrees uses, in one call (the process group must exist). moe: the model has
+        experts (their own mesh, and the ranks that share a sequence's load statistics)."""
+        return Meshes(
+            world=self.build_mesh(device_type),
+            expert=self.build_expert_mesh(device_type) if moe else None,
+            cp=self.build_cp_mesh(device_type),
+            sequence=self.build_sequence_mesh(device_type) if moe else None,
+        )
+
     @property
     def expert_fsdp(self) -> int:
         """The ranks each expert is FSDP-sharded over inside a replica group: dp_shard x cp x tp / ep."""
@@ -201,6 +212,31 @@ class ParallelDims:
         return f"{where}, experts FSDP-sharded over {self.expert_fsdp} rank(s)" + (
             f" x {self.dp_replicate} replicas" if self.dp_replicate > 1 else ""
         )
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """Every DeviceMesh of a run (ParallelDims.build_meshes)."""
+
+    world: Any  # all ranks: ("pp",) data-parallel dimensions ("tp",)
+    expert: Any = None  # an MoE's experts: ("dp_replicate",) "efsdp", "ep"; None: the data-parallel mesh holds them
+    cp: Any = None  # this rank's context-parallel group (attention gathers keys and values over it); None without cp
+    sequence: Any = None  # the cp x tp ranks sharing this rank's sequences (an MoE's load statistics); or None
+
+    @property
+    def data_parallel(self):
+        """The data-parallel sub-mesh FSDP shards over (of this rank's pipeline stage group)."""
+        return split_mesh(self.world)[0]
+
+    @property
+    def tp(self):
+        """The "tp" sub-mesh, or None without tensor parallelism."""
+        return split_mesh(self.world)[1]
+
+    @property
+    def pp(self):
+        """The 1-D "pp" sub-mesh, or None without pipeline parallelism."""
+        return pipeline_mesh(self.world)
 
 
 def split_mesh(mesh):

@@ -17,6 +17,31 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from titanlite.models.registry import FAMILIES
+
+
+def problem(cfg, dims, args, device_type: str | None = None, inference: bool = False) -> str | None:
+    """Why expert parallelism cannot split this model's experts (or is asked of a dense model), or None."""
+    ep, key = dims.ep, f"parallelism.expert_parallel_degree = {dims.ep}"
+    if not args.moe:
+        if ep > 1:
+            moe = ", ".join(n for n, f in FAMILIES.items() if any(a.moe for a in f.flavors.values()))
+            return (
+                f"{key} splits a Mixture of Experts' experts, but model.name = {cfg.model.name!r} "
+                f"({cfg.model.flavor}) has none; valid: 1, or an MoE family ({moe})"
+            )
+        return None
+    if args.n_experts % ep:
+        valid = ", ".join(str(d) for d in range(1, args.n_experts + 1) if args.n_experts % d == 0)
+        return f"{key} does not divide the model's {args.n_experts} experts; valid: {valid}"
+    if dims.tp > 1 and not inference and cfg.training.seq_len % dims.tp:
+        return (
+            f"parallelism.tensor_parallel_degree = {dims.tp} with a Mixture of Experts splits every sequence's tokens "
+            f"over the tp ranks to route them, but training.seq_len = {cfg.training.seq_len} is not a multiple of "
+            f"{dims.tp}; valid: a multiple of {dims.tp}"
+        )
+    return None
+
 
 def apply_ep(model: nn.Module, expert_mesh: DeviceMesh | None, tp: int) -> int:
     """Split the experts of `model.expert_units()` over expert_mesh's "ep" dimension (on the meta device, before

@@ -17,12 +17,13 @@ from torch import nn
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
 
 
-def float8_problem(float8_cfg, *, tp: int, lora: bool, device_type: str | None) -> str | None:
+def problem(cfg, dims, args=None, device_type: str | None = None, inference: bool = False) -> str | None:
     """Why [float8] cannot train this run, or None (also when it is off). device_type None: the dry run, which
     skips the checks of this machine."""
-    if not float8_cfg.enable:
+    if not cfg.float8.enable or inference:
         return None
-    if lora:
+    tp = dims.tp
+    if cfg.lora.enable:
         return (
             "float8.enable = true with lora.enable = true is not supported (the adapters sit on the projections "
             "float8 would convert); set one of them to false"

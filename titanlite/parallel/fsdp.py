@@ -17,6 +17,17 @@ from titanlite.dtypes import TORCH_DTYPES
 from titanlite.parallel.ep import expert_fsdp_mesh
 
 
+def problem(cfg, dims, args=None, device_type: str | None = None, inference: bool = False) -> str | None:
+    """Why FSDP cannot shard this mesh with the configured reshard policy, or None."""
+    raf = cfg.parallelism.fsdp_reshard_after_forward
+    if raf.isdigit() and dims.dp_shard % int(raf):
+        return (
+            f"parallelism.fsdp_reshard_after_forward = {raf} must divide the shard degree "
+            f"{dims.dp_shard}; valid: default, always, never or a divisor of {dims.dp_shard}"
+        )
+    return None
+
+
 def reshard_after_forward_policy(value: str, num_groups: int) -> list[bool | int]:
     """The `reshard_after_forward` argument for each group and then the root (num_groups + 1 values).
 

@@ -243,11 +243,12 @@ def _unsupported(cfg, dims) -> str | None:
     return None
 
 
-def fault_tolerance_problem(cfg, dims, check_lighthouse: bool) -> str | None:
-    """Why [fault_tolerance] cannot run this group, or None (also when it is off). check_lighthouse: whether the
-    lighthouse must answer now (not in the dry run)."""
+def problem(cfg, dims, args=None, device_type: str | None = None, inference: bool = False) -> str | None:
+    """Why [fault_tolerance] cannot run this group, or None (also when it is off). device_type None: the dry run,
+    where the lighthouse need not answer now."""
     ft = cfg.fault_tolerance
-    if not ft.enable:
+    check_lighthouse = device_type is not None
+    if not ft.enable or inference:
         return None
     if ft.replica_id >= ft.group_count:
         return (
@@ -276,3 +277,48 @@ def fault_tolerance_problem(cfg, dims, check_lighthouse: bool) -> str | None:
             "(or pip install torchft), or set fault_tolerance.enable = false"
         )
     return lighthouse_problem(ft)
+
+
+def data_slice(cfg, dims, dp_rank: int) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the number of them) over every replica group: a fault-tolerant group reads
+    its part of the global batch (without fault tolerance: this job's own)."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return dp_rank, dims.dp_degree
+    return ft.replica_id * dims.dp_degree + dp_rank, ft.group_count * dims.dp_degree
+
+
+class NoReplicaGroups:
+    """What the loop talks to when [fault_tolerance] is off: one group, always live, every step committed; each call
+    leaves its value as it is (parallel/ft_groups.py: the fault-tolerant groups)."""
+
+    participants = 1  # the groups the gradients are averaged over
+
+    def begin_step(self) -> bool:
+        """Whether a stop came while waiting for a quorum: never."""
+        return False
+
+    def known_tokens(self, tokens: int) -> int | None:
+        """The step's global token count as the loader counted it (a fault-tolerant group must sum the live ones')."""
+        return tokens
+
+    def global_tokens(self, tokens):
+        return tokens
+
+    def average_gradients(self, params) -> None:
+        pass
+
+    def commit(self) -> bool:
+        return True
+
+    def sum(self, value):
+        return value
+
+    def count_skipped(self, global_batch_size: int) -> None:
+        pass
+
+    def label(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass

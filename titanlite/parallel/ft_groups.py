@@ -32,6 +32,7 @@ from titanlite.parallel.ft import (
     SENIOR,
     TOKENS,
     VECTOR,
+    NoReplicaGroups,
     any_rank,
     describe_difference,
     differing_keys,
@@ -47,6 +48,11 @@ from titanlite.parallel.ft import (
 )
 
 logger = logging.getLogger("titanlite")
+
+
+def replica_groups(cfg, trainer, env):
+    """This group's side of a fault-tolerant job, or the stand-in that does nothing when [fault_tolerance] is off."""
+    return ReplicaGroups(cfg, trainer, env) if cfg.fault_tolerance.enable else NoReplicaGroups()
 
 
 def _local(t):
@@ -112,6 +118,7 @@ class ReplicaGroups:
         """A new quorum of live groups (a restarted group heals here, before its forward); True when a stop signal
         came while waiting for one: what was committed is saved and the run stops (exit status 0)."""
         before = self.trainer.step
+        self.trainer.hang.phase(f"step {before + 1}: waiting for a quorum of replica groups")
         waiting_since = None
         while True:  # with fewer live groups than min_replicas, wait for more instead of computing a lost step
             if self._quorum():
@@ -293,6 +300,10 @@ class ReplicaGroups:
         mine[KEYS:] = self.slots
         return mine
 
+    def known_tokens(self, tokens: int) -> None:
+        """None: the step's global token count is that of the live groups, summed in global_tokens."""
+        return None
+
     def global_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The counted tokens of the live groups' parts of this step's batch; in the same sum, every group's
         replica_id, its shared settings and (after a quorum change) its weights, checked (ConfigError) here."""
@@ -301,7 +312,7 @@ class ReplicaGroups:
             return tokens
         self._check(total)
         self.quorum_seen = self.quorum_now  # compared without an error: not again until the quorum changes
-        return total[TOKENS].to(tokens.device)
+        return total[TOKENS].round().long().to(tokens.device)
 
     def _check(self, total: torch.Tensor) -> None:
         ft, live = self.ft, int(total[LIVE])
@@ -346,6 +357,7 @@ class ReplicaGroups:
     def average_gradients(self, params) -> None:
         """Average every gradient over the live groups: each rank with the same rank of the other groups (their
         shards are the same slices), one flat buffer per dtype."""
+        self.trainer.hang.phase(f"step {self.trainer.step}: averaging the gradients over the live replica groups")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
@@ -372,7 +384,13 @@ class ReplicaGroups:
         """'live/planned' groups, for the step line."""
         return f"{self.participants}/{self.ft.group_count}"
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
+        """Log what the absent groups' parts and the healing were, and leave the job."""
+        healed = f"; healed from a live group at step {', '.join(map(str, self.healed_at))}" if self.healed_at else ""
+        logger.info(
+            f"Fault tolerance: {self.skipped_sequences} sequences of absent replica groups' parts were skipped "
+            f"(not trained){healed}"
+        )
         self.manager.shutdown(wait=False)
 
     # ---------------------------------------------------------------- checks and healing

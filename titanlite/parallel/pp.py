@@ -11,15 +11,14 @@ are those of one process.
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
 
+from titanlite.compat import PipelineStageKeepingAllReduce as Stage
 from titanlite.compat import forward_only_schedule
 from titanlite.config.parallelism import PIPELINE_SCHEDULES
 
@@ -90,10 +89,10 @@ def stage_blocks(parallelism, sizes: tuple[int, list[int], int]) -> list[range]:
     return [range(s, s + c) for s, c in zip(starts, counts)]
 
 
-def pipeline_problem(cfg, dims, args) -> str | None:
+def problem(cfg, dims, args, device_type: str | None = None, inference: bool = False) -> str | None:
     """Why this job cannot run with its pipeline settings (None when it can, or pp is 1)."""
     p, t = cfg.parallelism, cfg.training
-    if dims.pp == 1:
+    if dims.pp == 1 or inference:
         return None
     key = f"parallelism.pipeline_parallel_degree = {dims.pp}"
     for on, what, instead in (
@@ -193,29 +192,6 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, per_rank: int) 
     return (pp - 1) / (per_rank * n_microbatches + pp - 1)
 
 
-class _Stage(PipelineStage):
-    """torch's PipelineStage, whose gradient reduction after a local batch keeps the delayed all-reduce: torch's
-    turns FSDP's gradient sync on, which also turns the all-reduce across replicas back on."""
-
-    all_reduce = True  # False before the last accumulation microbatch (parallelism.gradient_sync = delay_all_reduce)
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        root = self.submod
-        if self.all_reduce or not isinstance(root, FSDPModule):
-            return super().perform_reduce_grad(grad_scale_factor)
-        turn_on = root.set_requires_gradient_sync
-
-        def sync_without_all_reduce(requires: bool, *, recurse: bool = True) -> None:
-            turn_on(requires, recurse=recurse)
-            root.set_requires_all_reduce(False, recurse=recurse)
-
-        root.set_requires_gradient_sync = sync_without_all_reduce
-        try:
-            super().perform_reduce_grad(grad_scale_factor)
-        finally:
-            del root.set_requires_gradient_sync
-
-
 class Pipeline:
     """This rank's pipeline stages and their schedule: one step() per local batch, forward and backward of every
     pipeline microbatch through all stages. positions: the microbatches' document starts go to every stage
@@ -224,7 +200,7 @@ class Pipeline:
     def __init__(self, stage_modules: list, stage_ids: list[int], n_stages: int, parallelism, local_batch_size, mesh,
                  device: torch.device, positions: bool = False):  # fmt: skip
         group, self.pp, self.device, self.positions = mesh.get_group(), mesh.size(), device, positions
-        self.stages = [_Stage(module, i, n_stages, device, group=group) for module, i in zip(stage_modules, stage_ids)]
+        self.stages = [Stage(module, i, n_stages, device, group=group) for module, i in zip(stage_modules, stage_ids)]
         self.first = 0 in stage_ids
         self.n_microbatches = pipeline_microbatches(parallelism, local_batch_size)
         self.schedule_name = parallelism.pipeline_parallel_schedule
@@ -276,7 +252,7 @@ class Pipeline:
             return self._run(self.schedule.eval, microbatch)
         if self._evaluation is None:  # its own stages: a schedule's stages hold its buffers and metadata
             self._evaluation = forward_only_schedule(
-                [_Stage(s.submod, s.stage_index, s.num_stages, self.device, group=s.group) for s in self.stages],
+                [Stage(s.submod, s.stage_index, s.num_stages, self.device, group=s.group) for s in self.stages],
                 self.n_microbatches,
                 self._loss,
                 self.stage_to_rank,

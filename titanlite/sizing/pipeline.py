@@ -67,14 +67,14 @@ def _built_rank(cfg, plan, world_size: int, pp_rank: int) -> dict:
     dims = plan.dims
     dist.init_process_group("fake", store=fake_store(), rank=pp_rank * (world_size // dims.pp), world_size=world_size)
     try:
-        mesh = dims.build_mesh("cpu")
-        built = build_model(replace(cfg, float8=replace(cfg.float8, enable=False)), plan.model_args, mesh)
+        meshes = dims.build_meshes("cpu", plan.model_args.moe)
+        built = build_model(replace(cfg, float8=replace(cfg.float8, enable=False)), plan.model_args, meshes)
         return dict(
             state=me.sharded_state_bytes(built.model),
             units=[n for stage in built.stages for n in me.unit_numels(stage)],
             grad_units=[n for stage in built.stages for n in me.unit_numels(stage, trainable_only=True)],
             ac_blocks=built.ac_blocks,
-            setup=describe(built.num_sharded, mesh, dims, cfg.parallelism, len(built.stages)),
+            setup=describe(built.num_sharded, meshes.world, dims, cfg.parallelism, len(built.stages)),
         )
     finally:
         dist.destroy_process_group()

@@ -155,12 +155,11 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     """Size one rank of the job: the sharded meta model over a fake process group, and the activation formulas."""
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
-        mesh = plan.dims.build_mesh("cpu")  # the same plan as on GPUs; the fake group does no communication
-        expert_mesh = plan.dims.build_expert_mesh("cpu") if plan.model_args.moe else None
+        meshes = plan.dims.build_meshes("cpu", plan.model_args.moe)  # as on GPUs; the fake group does not talk
         # [float8] changes no parameter or state (the weights stay bf16/fp32): sized without torchao, which the
         # machine running the dry run may lack; its activations are counted as bf16's (docs/performance.md).
         plain = replace(cfg, float8=replace(cfg.float8, enable=False))
-        built = build_model(plain, plan.model_args, mesh, expert_mesh=expert_mesh)
+        built = build_model(plain, plan.model_args, meshes)
         # As the Trainer does next (allocates nothing: Adam's state appears at the first step).
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
         state = me.sharded_state_bytes(built.model)
@@ -172,7 +171,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         output_unit = me.gathered_numel(built.model.output.weight)
         sharded = plan.dims.fsdp_size > 1  # FSDP shards over the cp ranks too
         total_params = sum(p.numel() for p in built.model.parameters())
-        setup_lines = describe(built.num_sharded, mesh, plan.dims, cfg.parallelism)
+        setup_lines = describe(built.num_sharded, meshes.world, plan.dims, cfg.parallelism)
     finally:
         dist.destroy_process_group()
     t = cfg.training
