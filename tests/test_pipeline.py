@@ -1,6 +1,7 @@
 """Pipeline parallelism: the same losses and gradient norms as one process (fp32, 10 steps, 1e-5) with every
-schedule, with accumulation, composed with FSDP, TP and the delayed all-reduce; exact resume; a PP(2) x FSDP(2)
-checkpoint resumed in one process and the reverse; validation under pp; the split by size and the checks.
+schedule, with accumulation, composed with FSDP, TP and the delayed all-reduce, with tied embeddings; exact resume; a
+PP(2) x FSDP(2) checkpoint resumed in one process and the reverse (tied too); validation under pp; the split by size
+and the checks.
 
 One spawned world per size (1, 2 and 4, gloo), each running several configurations."""
 
@@ -15,6 +16,7 @@ from helpers import make_trainer, run_distributed, run_module, tiny_argv
 BASE = ("--model.flavor", "debugmodel", "--training.local_batch_size", "4", "--training.global_batch_size", "8")
 VALIDATE = ("--validation.enable", "--validation.freq", "5", "--validation.steps", "1")
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "5")
+TIE = ("--model.tie_embeddings", "true")
 
 
 def _pp(schedule="1F1B", *extra):
@@ -71,14 +73,56 @@ def _run(cases):
             "params": len(list(trainer.model.parameters())),
             "all_reduces": by_call,
             "group_keys": sorted(trainer.optimizer.param_groups[0]),
+            "stages": len(trainer.pipeline.stage_to_rank) if trainer.pipeline else 1,
+            "tied_identical": _tied_copies_identical(trainer.pipeline),
+            "experts_per_rank": _experts_per_rank(trainer.model),
+            "cp": trainer.dims.cp if trainer.model.cp_group is not None else 1,
+            "trained": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
         }
     return out
 
 
-def _same(a: dict, b: dict, what: str, steps=range(1, 11), tol=1e-5):
-    for key in ("loss", "norm"):
+def _experts_per_rank(model) -> int | None:
+    """The experts of each MoE block this rank computes (its token exchange's group: parallel/ep.py); None for a
+    dense model."""
+    import torch.distributed as dist
+
+    experts = model.expert_units() if model.args.moe else []
+    if not experts:
+        return None
+    group = getattr(experts[0], "ep_group", None)
+    return model.args.n_experts // (dist.get_world_size(group) if group is not None else 1)
+
+
+def _tied_copies_identical(pipeline) -> bool | None:
+    """Whether this rank's copy of a weight tied across the pipeline (tied embeddings) is bit-identical to the other
+    end's copy; None without one."""
+    import torch
+    import torch.distributed as dist
+
+    if pipeline is None or pipeline.tie_group is None:
+        return None
+    (weight,) = [s.submod.tied_weight() for s in pipeline.stages if s.submod.tied_weight() is not None]
+    high, low = weight.to_local().detach().clone(), weight.to_local().detach().clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=pipeline.tie_group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=pipeline.tie_group)
+    return torch.equal(high, low)
+
+
+def _checkpoint_keys(folder, step: int) -> dict[str, int]:
+    """Each name a checkpoint holds, with the number of chunks written for it (by all ranks together)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder / "checkpoint" / f"step-{step}")).read_metadata()
+    written = [index.fqn for index in metadata.storage_data]
+    return {k: written.count(k) for k in metadata.state_dict_metadata}
+
+
+def _same(a: dict, b: dict, what: str, steps=range(1, 11), tol=1e-5, norm_tol=None):
+    """Losses within tol of b's, step for step, and gradient norms within norm_tol (None: tol)."""
+    for key, within in (("loss", tol), ("norm", norm_tol or tol)):
         for s in steps:
-            assert abs(a[key][s] - b[key][s]) <= tol * max(1.0, abs(b[key][s])), (what, key, s, a[key][s], b[key][s])
+            assert abs(a[key][s] - b[key][s]) <= within * max(1.0, abs(b[key][s])), (what, key, s, a[key][s], b[key][s])
 
 
 def _drop_after(folder, step: int):
@@ -91,9 +135,18 @@ def _drop_after(folder, step: int):
 @pytest.mark.slow
 def test_pipeline_matches_one_process(tmp_path):
     one, pp_fsdp = tmp_path / "one", tmp_path / "pp_fsdp"
+    tied_one, tied_pp = tmp_path / "tied_one", tmp_path / "tied_pp"  # tied embeddings: one process, PP(2)
     BLOCK = ("--model.attention", "block_causal")  # document starts travel to every stage
     HF = ("--checkpoint.last_save_in_hf",)
-    refs = run_distributed(_run, 1, [("one", one, (*VALIDATE, *CKPT, *HF)), ("docs", tmp_path / "docs", BLOCK)])[0]
+    refs = run_distributed(
+        _run,
+        1,
+        [
+            ("one", one, (*VALIDATE, *CKPT, *HF)),
+            ("docs", tmp_path / "docs", BLOCK),
+            ("tied", tied_one, (*TIE, *CKPT, *HF)),
+        ],
+    )[0]
     ref = refs["one"]
     assert ref["val"] and all(v > 0 for v in ref["val"].values())
 
@@ -103,6 +156,8 @@ def test_pipeline_matches_one_process(tmp_path):
         [
             ("GPipe", tmp_path / "g", _pp("GPipe")),
             ("1F1B", tmp_path / "f", (*_pp("1F1B"), *VALIDATE, *CKPT, *HF)),
+            # the first stage's embedding is the last stage's output projection: a copy on each rank
+            ("1F1B_tied", tied_pp, (*_pp("1F1B"), *TIE, *CKPT, *HF)),
             ("Interleaved1F1B", tmp_path / "i", _pp("Interleaved1F1B")),
             ("ZBVZeroBubble", tmp_path / "z", (*_pp("ZBVZeroBubble"), *VALIDATE)),
             ("block_causal", tmp_path / "b", (*_pp("1F1B"), *BLOCK)),
@@ -139,7 +194,7 @@ def test_pipeline_matches_one_process(tmp_path):
         ],
     )[-1]  # the last stage's rank logs what rank 0 logs; its norms are the global ones too
     for name, got in two.items():
-        _same(got, refs["docs"] if name == "block_causal" else ref, name)
+        _same(got, refs["docs"] if name == "block_causal" else refs["tied"] if "tied" in name else ref, name)
         assert got["schedule"] in name or name in ("block_causal", "op_ac_compiled"), name
         assert got["schedule"] and got["params"] < ref["params"], name  # pipelined: this rank holds some stages
     assert abs(refs["docs"]["loss"][2] - ref["loss"][2]) > 1e-4  # the documents do change the loss
@@ -152,10 +207,23 @@ def test_pipeline_matches_one_process(tmp_path):
 
     exports = [
         {k: v for f in (folder / "checkpoint" / "hf-step-10").glob("*.safetensors") for k, v in load_file(f).items()}
-        for folder in (one, tmp_path / "f")
+        for folder in (one, tmp_path / "f", tied_one, tied_pp)
     ]
     assert exports[0].keys() == exports[1].keys() and len(exports[0]) > 50
-    assert all((exports[0][k] - exports[1][k]).abs().max() < 1e-5 for k in exports[0])
+    assert exports[2].keys() == exports[3].keys() == exports[0].keys() - {"lm_head.weight"}
+    for a, b in (exports[:2], exports[2:]):
+        assert all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
+
+    # Tied embeddings at PP(2): two stages, both copies of the tied weight still bit-identical after 10 steps, and
+    # the checkpoint holds what one process's does (the weight under its names, its optimizer state once), each
+    # chunk written once although both ranks hold it
+    tied = two["1F1B_tied"]
+    assert tied["stages"] == 2 and tied["tied_identical"] is True and refs["tied"]["tied_identical"] is None
+    tied_keys, one_keys = _checkpoint_keys(tied_pp, 10), _checkpoint_keys(tied_one, 10)
+    assert tied_keys == one_keys and set(tied_keys.values()) == {1}
+    assert "optimizer.state.tok_embeddings.weight.exp_avg" in tied_keys and not any(
+        k.startswith("optimizer.state.output.") for k in tied_keys
+    )
 
     # Exact resume at PP(2): steps 6-10 from the step-5 checkpoint are the uninterrupted run's, bit for bit.
     f = tmp_path / "f"
@@ -191,14 +259,26 @@ def test_pipeline_matches_one_process(tmp_path):
     ]
     INIT = ("--checkpoint.initial_load_path", str(one / "checkpoint" / "step-5"))  # a new run from its weights
     _drop_after(one, 5)
+    _drop_after(tied_one, 5)
+    _drop_after(tied_pp, 5)
     again = run_distributed(
-        _run, 2, [("resumed", f, (*_pp("1F1B"), *VALIDATE, *CKPT)), ("init", tmp_path / "n", (*_pp("1F1B"), *INIT))]
+        _run,
+        2,
+        [
+            ("resumed", f, (*_pp("1F1B"), *VALIDATE, *CKPT)),
+            ("init", tmp_path / "n", (*_pp("1F1B"), *INIT)),
+            ("tied_resumed", tied_pp, (*_pp("1F1B"), *TIE, *CKPT)),
+            ("tied_from_one", tied_one, (*_pp("1F1B"), *TIE, *CKPT)),  # the one-process tied step-5 checkpoint at PP(2)
+        ],
     )[-1]
-    resumed = again["resumed"]
-    assert min(resumed["loss"]) == 6  # it did resume
-    for s in range(6, 11):
-        assert resumed["loss"][s] == two["1F1B"]["loss"][s] and resumed["norm"][s] == two["1F1B"]["norm"][s], s
-    assert resumed["group_keys"] == two["1F1B"]["group_keys"]  # every rank's optimizer settings survive a resume
+    for name, run in (("resumed", "1F1B"), ("tied_resumed", "1F1B_tied")):
+        resumed = again[name]
+        assert min(resumed["loss"]) == 6, name  # it did resume
+        for s in range(6, 11):
+            assert resumed["loss"][s] == two[run]["loss"][s] and resumed["norm"][s] == two[run]["norm"][s], (name, s)
+    assert again["resumed"]["group_keys"] == two["1F1B"]["group_keys"]  # every rank's optimizer settings survive
+    assert min(again["tied_from_one"]["loss"]) == 6 and again["tied_from_one"]["tied_identical"] is True
+    _same(again["tied_from_one"], refs["tied"], "tied: one process -> PP(2)", steps=range(6, 11))
 
     four = run_distributed(_run, 4, four_cases)[-1]
     for name in ("fsdp", "tp", "hsdp_delayed"):
@@ -213,9 +293,13 @@ def test_pipeline_matches_one_process(tmp_path):
 
     # PP(2) x FSDP(2)'s step-5 checkpoint, resumed in one process; a one-process run from the same initial weights
     _drop_after(pp_fsdp, 5)
-    last = run_distributed(_run, 1, [("back", pp_fsdp, CKPT), ("init", tmp_path / "n1", INIT)])[0]
-    assert min(last["back"]["loss"]) == 6
-    _same(last["back"], four["fsdp"], "PP(2) x FSDP(2) -> one process", steps=range(6, 11))
+    _drop_after(tied_pp, 5)  # (the exact resume above saved its steps 6-10 again)
+    last = run_distributed(
+        _run, 1, [("back", pp_fsdp, CKPT), ("init", tmp_path / "n1", INIT), ("tied_back", tied_pp, (*TIE, *CKPT))]
+    )[0]
+    for name, run in (("back", four["fsdp"]), ("tied_back", refs["tied"])):
+        assert min(last[name]["loss"]) == 6, name
+        _same(last[name], run, f"{name}: PP(2) -> one process", steps=range(6, 11))
     _same(again["init"], last["init"], "initial weights at PP(2)")
     assert abs(last["init"]["loss"][1] - ref["loss"][1]) > 0.1  # they are the trained weights, not a fresh init
 

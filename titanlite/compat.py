@@ -7,6 +7,7 @@ check (docs/performance.md). 2.12, 2.14 and 2.15 are admitted but not tested her
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -151,6 +152,17 @@ def forward_only_schedule(stages: list, n_microbatches: int, loss_fn, stage_to_r
     return ForwardOnly()
 
 
+@contextmanager
+def _metadata_inference(module):
+    """Marks the module (`inferring`) while torch's pipeline stage runs it once to learn its shapes: that forward is
+    not a step's (an MoE must not count its loads)."""
+    module.inferring = True
+    try:
+        yield
+    finally:
+        module.inferring = False
+
+
 class PipelineStageKeepingAllReduce(PipelineStage):
     """torch's PipelineStage, whose gradient reduction after a local batch keeps the delayed all-reduce: torch's
     turns FSDP's gradient sync on, which also turns the all-reduce across replicas back on. Overrides the stage's
@@ -173,3 +185,11 @@ class PipelineStageKeepingAllReduce(PipelineStage):
             super().perform_reduce_grad(grad_scale_factor)
         finally:
             del root.set_requires_gradient_sync
+
+    def _forward_metadata_inference(self, *args, **kwargs):  # torch 2.13's name for its shape-learning forward
+        with _metadata_inference(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _shape_inference(self, *args, **kwargs):  # the name in torch releases before it
+        with _metadata_inference(self.submod):
+            return super()._shape_inference(*args, **kwargs)

@@ -86,19 +86,38 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, sched_cfg, total_steps:
     return LambdaLR(optimizer, schedule)
 
 
+_TIED = "titanlite_tied_across_ranks"  # the parameter attribute tie_across_ranks sets: (group, counted here)
+
+
+def tie_across_ranks(param: torch.nn.Parameter, group, counted: bool) -> None:
+    """Mark `param` as one weight of which the other ranks of `group` hold identical copies (tied embeddings over
+    pipeline stages): clip_grad_norm sums its gradient over `group` and counts it in the norm only where `counted`."""
+    setattr(param, _TIED, (group, counted))
+
+
+def _sum_tied_gradients(parameters) -> None:
+    """Each tied parameter's gradient summed over the ranks holding a copy (the same shard of it on each)."""
+    for p in parameters:
+        if (tie := getattr(p, _TIED, None)) is not None:
+            dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=tie[0])
+
+
 def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """The global gradient norm over all ranks (a plain tensor); clips to max_norm when it is > 0.
 
     Gradients on different device meshes (an MoE's experts live on the expert mesh) are normed per mesh, each
     with one all-reduce, and combined; with pipeline parallelism (pp_group: this rank's "pp" group) the stages'
-    norms are combined too (one more all-reduce)."""
+    norms are combined too (one more all-reduce). A weight tied across ranks (tie_across_ranks) first gets the sum of
+    its copies' gradients, and counts once."""
     by_mesh: dict = {}
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    _sum_tied_gradients(p for params in by_mesh.values() for p in params)
     norms = []
     for params in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        counted = [p.grad for p in params if getattr(p, _TIED, (None, True))[1]]
+        norm = torch.nn.utils.get_total_norm(counted, foreach=True)
         # One all-reduce: clip_grad_norm_ would reduce the partial norm once to clip and again for full_tensor().
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))

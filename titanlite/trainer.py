@@ -206,7 +206,9 @@ class Trainer:
             with microbatch_sync(self.fsdp_roots, last, self.gradient_sync), loss_parallel_context(self.loss_parallel):
                 if self.pipeline is not None:  # every stage's forward and backward, by the schedule
                     all_reduce = last or self.gradient_sync != "delay_all_reduce"
-                    token_loss_sum = self.pipeline.step(mb, scale, all_reduce=all_reduce)
+                    self.model.aux_loss_sum = None  # an MoE's aux loss: its gradient comes through the stages
+                    token_loss_sum = self.pipeline.step(mb, scale, self.balance.aux_scale, all_reduce=all_reduce)
+                    self.balance.aux_term()  # (only its value is kept here, for the log)
                 else:
                     token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
                     (token_loss_sum * scale + self.balance.aux_term()).backward()

@@ -90,6 +90,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         if args.moe:
             self.feed_forward = MoE(args.dim, args.n_experts, args.top_k, args.moe_hidden_dim, args.norm_topk_prob)
+            self.feed_forward.block, self.feed_forward.n_blocks = layer_id, args.n_layers  # its row in the loads
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
@@ -182,7 +183,7 @@ class Transformer(nn.Module):
         elif positions is not None and self.args.attention == "block_causal":
             rope, mask = self.training_rope_mask(positions, None)
         h = self.tok_embeddings(tokens)
-        mask = _additive(mask, h.dtype)
+        mask = additive_mask(mask, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layers[i])
         if cache is not None:
@@ -202,7 +203,7 @@ class Transformer(nn.Module):
         if positions is None or self.args.attention != "block_causal":
             return self.rope, None
         mask = block_causal_mask(positions, self.attention_kernel)
-        return self.rope[positions], mask if dtype is None else _additive(mask, dtype)
+        return self.rope[positions], mask if dtype is None else additive_mask(mask, dtype)
 
     cp_group = None  # context parallelism (set_context_parallel): forward computes this rank's part of sequences
 
@@ -217,15 +218,21 @@ class Transformer(nn.Module):
 
     def _context_parallel_part(self, tokens, labels, positions):
         """This cp rank's tokens and labels, their rotations, and its queries' mask over the whole sequence."""
-        seq_len, cp = tokens.shape[1], dist.get_world_size(self.cp_group)
-        index = local_index(seq_len, cp, dist.get_rank(self.cp_group), tokens.device)
-        inverse = inverse_order(seq_len, cp, tokens.device)
+        index, rope, mask = self.context_parallel_view(tokens.shape[1], tokens.device, positions)
+        return tokens[:, index], None if labels is None else labels[:, index], rope, mask
+
+    def context_parallel_view(self, seq_len: int, device, positions):
+        """(the positions of this cp rank's two chunks of a sequence of seq_len, their rotations, its queries' mask
+        over the whole sequence); the attention of every block here gathers keys and values in sequence order."""
+        cp = dist.get_world_size(self.cp_group)
+        index = local_index(seq_len, cp, dist.get_rank(self.cp_group), device)
+        inverse = inverse_order(seq_len, cp, device)
         for layer in self.layers:
-            layer.attention.cp_inverse = inverse
+            if hasattr(layer, "attention"):  # (with pp: the blocks of this rank's stages)
+                layer.attention.cp_inverse = inverse
         block = positions is not None and self.args.attention == "block_causal"
         rope = self.rope[positions[:, index]] if block else self.rope[index]
-        mask = cp_attention_mask(index, seq_len, positions if block else None, self.attention_kernel)
-        return tokens[:, index], None if labels is None else labels[:, index], rope, mask
+        return index, rope, cp_attention_mask(index, seq_len, positions if block else None, self.attention_kernel)
 
     @property
     def loss_chunk_tokens(self) -> int:
@@ -271,8 +278,10 @@ class Transformer(nn.Module):
             m.expert_bias.zero_()
             m.tokens_per_expert.zero_()
         # to_empty from the meta device gives each module its own tensor, untying a plain (unsharded) model;
-        # a sharded one keeps the tie (both modules share one DTensor parameter in one FSDP group).
-        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+        # a sharded one keeps the tie (both modules share one DTensor parameter in one FSDP group). A middle pipeline
+        # stage holds neither module.
+        tied = self.args.tie_embeddings and self.output is not None
+        if tied and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
@@ -316,7 +325,7 @@ class Transformer(nn.Module):
         raise KeyError(f"no init rule for parameter {name}")
 
 
-def _additive(mask, dtype: torch.dtype):
+def additive_mask(mask, dtype: torch.dtype):
     """One additive mask for every layer: SDPA would convert a boolean one in each layer and keep every copy."""
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

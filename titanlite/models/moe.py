@@ -219,6 +219,32 @@ class MoE(nn.Module):
         return sums[:b] / tokens, sums[b:] / tokens
 
 
+class CarryLoadStats(torch.autograd.Function):
+    """aux_loss across pipeline stages: transformers' loss E * sum_e f_e * P_e averages f and P over every layer of a
+    sequence, so one stage's P gets the gradient E / L^2 x (the sum of f over all L layers). Forward carries the
+    earlier stages' sums (f, P) per sequence to the next stage with the hidden states; backward carries the later
+    stages' sum of f back as the carrier's gradient. carrier: (2, batch, experts); scale: the aux term's weight."""
+
+    @staticmethod
+    def forward(ctx, carrier, f_stage, p_stage, scale: float):
+        ctx.f_stage, ctx.f_so_far, ctx.scale = f_stage, carrier[0] + f_stage, scale
+        return torch.stack([ctx.f_so_far, carrier[1] + p_stage.detach()])
+
+    @staticmethod
+    def backward(ctx, grad):
+        later = grad[0]  # the sum of f over the later stages' layers (zero on the last stage)
+        back = torch.stack([ctx.f_stage + later, torch.zeros_like(later)])
+        return back, None, ctx.scale * (ctx.f_so_far + later), None
+
+
+def stage_load_stats(layers: list[MoE]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(f, P) of these layers' last forward summed over them, per sequence (f detached); None without aux_loss."""
+    stats = [m.last_sequence_stats for m in layers if m.last_sequence_stats is not None]
+    if not stats:
+        return None
+    return torch.stack([f for _, f in stats]).sum(dim=0).detach(), torch.stack([p for p, _ in stats]).sum(dim=0)
+
+
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The MoE feed-forwards of a model, in order."""
     return [m for m in model.modules() if isinstance(m, MoE)]
@@ -250,7 +276,11 @@ def update_load_balance(layers: list[MoE], bias_rate: float, want_stats: bool) -
     counts cleared; with want_stats, {'max_over_mean': per layer (device tensor), ...} for the log."""
     if not layers:
         return None
-    counts = torch.stack([m.tokens_per_expert for m in layers])
+    # one row per block of the whole model: with pipeline parallelism a rank holds some blocks, and the sum over
+    # every rank fills each block's row from the ranks of its stage
+    counts = layers[0].tokens_per_expert.new_zeros(layers[0].n_blocks, layers[0].n_experts)
+    rows = [m.block for m in layers]
+    counts[rows] = torch.stack([m.tokens_per_expert for m in layers])
     for m in layers:
         m.tokens_per_expert.zero_()
     if bias_rate <= 0 and not want_stats:
@@ -260,8 +290,8 @@ def update_load_balance(layers: list[MoE], bias_rate: float, want_stats: bool) -
     if bias_rate > 0:
         delta = bias_rate * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
         delta -= delta.mean(dim=1, keepdim=True)
-        for m, d in zip(layers, delta):
-            m.expert_bias += d
+        for m in layers:
+            m.expert_bias += delta[m.block]
     if not want_stats:
         return None
     return {"max_over_mean": counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)}

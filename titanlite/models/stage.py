@@ -14,6 +14,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.loss import summed_cross_entropy
+from titanlite.models.decoder import additive_mask
+from titanlite.models.moe import CarryLoadStats, moe_layers, record_forward, stage_load_stats
 
 
 class AbsentBlock(nn.Module):
@@ -43,44 +45,99 @@ class StageModule(nn.Module):
         if last and split:  # a zero-bubble schedule runs the loss's backward twice (input, then weight gradients)
             self.output.backward_once = False
         self._model = (model,)  # a tuple, not a submodule: its rope table and attention settings
+        # Tied embeddings on one end: the module of the other end (never run here; a tuple, not a submodule) holds
+        # the same weight under its own name, so that this rank's checkpoint and init name it as one process does.
+        tied = model.args.tie_embeddings and first != last
+        self._tied_alias = ((model.output if first else model.tok_embeddings),) if tied else ()
         self.loss_fn = loss_fn
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, positions=None) -> torch.Tensor:
+    aux_grad_scale = 0.0  # an MoE's aux_loss term's weight in the objective (moe_balance.LoadBalance.aux_scale)
+    inferring = False  # True while torch's pipeline stage runs a forward to learn shapes (compat.py): not a step's
+
+    def forward(self, x: torch.Tensor, carrier=None, labels: torch.Tensor | None = None, positions=None):
+        """x: tokens (first stage) or the previous stage's hidden states; carrier: with an MoE's aux_loss, the earlier
+        stages' load statistics (models/moe.py CarryLoadStats). The hidden states (and carrier), or the last stage's
+        summed loss."""
         model = self._model[0]
+        if model.cp_group is not None:  # context parallelism: this rank's two chunks of every sequence
+            index, rope, mask = model.context_parallel_view(labels.shape[1], labels.device, positions)
+            x = x[:, index] if self.tok_embeddings is not None else x  # later stages get the chunks' hidden states
+            labels = labels[:, index]
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        rope, mask = model.training_rope_mask(positions, h.dtype)
+        if model.cp_group is not None:
+            mask = additive_mask(mask, h.dtype)
+        else:
+            rope, mask = model.training_rope_mask(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
+        carrier = self._load_stats(carrier, x.shape[0]) if model.args.moe else None
         if self.output is None:
-            return h
+            return h if carrier is None else (h, carrier)
         h = self.norm(h)
         if self.output.chunk_tokens > 0:
-            return self.output(h, labels)
-        loss = self.loss_fn(self.output(h), labels)
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+            loss = self.output(h, labels)
+        else:
+            loss = self.loss_fn(self.output(h), labels)
+            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return loss if carrier is None else loss + 0.0 * carrier.sum()  # the carriers' backward starts here
+
+    def _load_stats(self, carrier, batch: int):
+        """An MoE stage's part of the step's load balancing: its loads counted; with aux_loss, the carrier of the
+        statistics (None otherwise), and on the last stage the aux loss recorded for the log."""
+        layers = moe_layers(self)
+        counted = torch.is_grad_enabled() and not self.inferring
+        if counted:
+            record_forward(layers)
+        if layers[0].load_balance != "aux_loss":
+            return None
+        stats = stage_load_stats(layers) if torch.is_grad_enabled() else None
+        if carrier is None:
+            carrier = torch.zeros(2, batch, layers[0].n_experts, device=layers[0].expert_bias.device)
+        if stats is None:  # a forward without gradients (validation): the carrier passes on
+            return carrier
+        e, n = layers[0].n_experts, layers[0].n_blocks
+        carrier = CarryLoadStats.apply(carrier, *stats, self.aux_grad_scale * e / n**2)
+        if self.output is not None and counted:  # every layer's statistics are in: the aux loss of these sequences
+            model = self._model[0]
+            aux = e / n**2 * (carrier[0] * carrier[1]).sum().detach()
+            model.aux_loss_sum = aux if model.aux_loss_sum is None else model.aux_loss_sum + aux
+        return carrier
+
+    def expert_units(self) -> list[nn.Module]:
+        """The experts of this stage's MoE blocks: each its own fully_shard on the expert mesh (parallel/fsdp.py)."""
+        return [m.experts for m in moe_layers(self)]
 
     def shard_groups(self) -> list[list[nn.Module]]:
         """Modules to shard together, one list per fully_shard call (the stage itself is the root)."""
-        groups = [[self.tok_embeddings]] if self.tok_embeddings is not None else []
+        # a tied weight's two modules in one group (as in Transformer.shard_groups): FSDP keeps them one parameter
+        groups = [[self.tok_embeddings, *self._tied_alias]] if self.tok_embeddings is not None else []
         groups += [[block] for block in self.layers.values()]
         if self.output is not None:
-            groups.append([self.norm, self.output])
+            groups.append([self.norm, self.output, *self._tied_alias])
         return groups
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The weight this stage shares with another pipeline rank's stage (tied embeddings: the first stage's
+        embedding is the last stage's output projection), or None."""
+        return self._tied_alias[0].weight if self._tied_alias else None
 
 
 def keep_only(model: nn.Module, blocks: set[int], first: bool, last: bool) -> None:
     """Drop from `model` the blocks not in `blocks`, the embedding unless `first`, the norm and output projection
     unless `last` (before it is materialised: what is dropped is never allocated); the model is then marked
-    `pipeline_part` (its state dict holds some of the model's names)."""
+    `pipeline_part` (its state dict holds some of the model's names). With tied embeddings, either end keeps both the
+    embedding and the output projection: one weight under both names, as the whole model holds it."""
     model.pipeline_part = True
+    tied_end = model.args.tie_embeddings and (first or last)
     for i in range(len(model.layers)):
         if i not in blocks:
             model.layers[i] = AbsentBlock()
-    if not first:
+    if not first and not tied_end:
         model.tok_embeddings = None
     if not last:
         model.norm = None
-        model.output = None
+        if not tied_end:
+            model.output = None
 
 
 def part_sizes(model: nn.Module) -> tuple[int, list[int], int]:

@@ -143,7 +143,13 @@ class ParallelDims:
         the cp or tp mesh is it): an MoE sums its load-balancing statistics over them."""
         if self.cp == 1 or self.tp == 1:
             return None
-        return init_device_mesh(device_type, (self.dp_degree, self.cp * self.tp), mesh_dim_names=("dp", "seq"))["seq"]
+        names, shape = self._with_pp(("dp", "seq"), (self.dp_degree, self.cp * self.tp))
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)["seq"]
+
+    def _with_pp(self, names: tuple, shape: tuple) -> tuple[tuple, tuple]:
+        """A stage group's mesh dimensions with "pp" outermost when there is pipeline parallelism (each pipeline
+        stage's ranks are a whole mesh of their own)."""
+        return (("pp",) + names, (self.pp,) + shape) if self.pp > 1 else (names, shape)
 
     def build_cp_mesh(self, device_type: str):
         """The 1-D "cp" mesh of this rank's context-parallel group (None without cp): over it attention gathers
@@ -153,6 +159,7 @@ class ParallelDims:
         names, shape = ("dp", "cp"), (self.dp_degree, self.cp)
         if self.tp > 1:
             names, shape = names + ("tp",), shape + (self.tp,)
+        names, shape = self._with_pp(names, shape)
         return init_device_mesh(device_type, shape, mesh_dim_names=names)["cp"]
 
     def describe(self) -> str:
@@ -204,7 +211,9 @@ class ParallelDims:
             return None
         names = (("dp_replicate",) if self.dp_replicate > 1 else ()) + ("efsdp", "ep")
         shape = ((self.dp_replicate,) if self.dp_replicate > 1 else ()) + (self.expert_fsdp, self.ep)
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        names, shape = self._with_pp(names, shape)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        return mesh[names[1:]] if self.pp > 1 else mesh  # this rank's stage group's part
 
     def describe_ep(self, n_experts: int) -> str:
         """The start-up line about the experts' parallelism."""

@@ -11,6 +11,7 @@ are those of one process.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -21,6 +22,7 @@ from torch.distributed.pipelining import (
 from titanlite.compat import PipelineStageKeepingAllReduce as Stage
 from titanlite.compat import forward_only_schedule
 from titanlite.config.parallelism import PIPELINE_SCHEDULES
+from titanlite.optim import tie_across_ranks
 
 SCHEDULES = dict(zip(PIPELINE_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)))
 SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank
@@ -96,13 +98,7 @@ def problem(cfg, dims, args, device_type: str | None = None, inference: bool = F
         return None
     key = f"parallelism.pipeline_parallel_degree = {dims.pp}"
     for on, what, instead in (
-        (args.moe, f"a Mixture-of-Experts model (model.name = {cfg.model.name!r})", ""),
-        (dims.cp > 1, "context parallelism (parallelism.context_parallel_degree > 1)", ""),
-        (cfg.lora.enable, "LoRA (lora.enable = true)", ""),
-        (cfg.fault_tolerance.enable, "fault tolerance (fault_tolerance.enable = true)", ""),
         (cfg.float8.enable, "float8 training (float8.enable = true)", ""),
-        (args.tie_embeddings, "tied embeddings (the first and last stages would share a weight)",
-         " (or model.tie_embeddings = false for an untied copy)"),
     ):  # fmt: skip
         if on:
             return f"{key} does not work with {what} yet; set pipeline_parallel_degree = 1{instead}"
@@ -116,6 +112,12 @@ def problem(cfg, dims, args, device_type: str | None = None, inference: bool = F
         return (
             f"parallelism.pipeline_parallel_stages_per_rank = {per_rank}: pipeline_parallel_schedule = {schedule} "
             f"runs exactly 2 stages per rank; use 2 (or -1)"
+        )
+    if schedule in V_SHAPED and args.tie_embeddings:
+        return (
+            f"model.tie_embeddings = true with parallelism.pipeline_parallel_schedule = {schedule}: its rank 0 holds "
+            f"the first stage and the last, which would share the tied weight inside one rank; use GPipe, 1F1B or "
+            f"Interleaved1F1B (or model.tie_embeddings = false for an untied copy)"
         )
     raf = p.fsdp_reshard_after_forward
     if schedule in V_SHAPED and raf not in ("default", "never"):
@@ -192,6 +194,23 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, per_rank: int) 
     return (pp - 1) / (per_rank * n_microbatches + pp - 1)
 
 
+def share_tied_weight(stage_modules: list, stage_ids: list[int], stage_to_rank: dict, n_stages: int, mesh):
+    """Tied embeddings: the first stage's embedding and the last stage's output projection are one weight, of which
+    the two ranks holding those stages keep identical copies (the same init by name, summed gradient, the same step).
+    Marks this rank's copy for clip_grad_norm (counted in the norm on the first stage only); returns the two ranks'
+    group, or None where this rank holds no copy."""
+    tied = [(m.tied_weight(), i) for m, i in zip(stage_modules, stage_ids) if m.tied_weight() is not None]
+    if not tied:
+        return None
+    ((weight, stage),) = tied  # one: problem() refuses a schedule that puts both ends on one rank
+    ranks = mesh.mesh.tolist()  # the global ranks of this pp group, by pp rank
+    ends = [ranks[stage_to_rank[0]], ranks[stage_to_rank[n_stages - 1]]]
+    # the two ends' ranks alone create their group (the middle stages' ranks take no part)
+    group = mesh.get_group() if len(ranks) == 2 else dist.new_group(ends, use_local_synchronization=True)
+    tie_across_ranks(weight, group, counted=stage == 0)
+    return group
+
+
 class Pipeline:
     """This rank's pipeline stages and their schedule: one step() per local batch, forward and backward of every
     pipeline microbatch through all stages. positions: the microbatches' document starts go to every stage
@@ -212,6 +231,7 @@ class Pipeline:
         self._sums: list[torch.Tensor] = []
         self.stage_to_rank = {i: r for r in range(self.pp) for i in rank_stages(r, self.pp, len(stage_ids),
                                                                                  self.schedule_name)}  # fmt: skip
+        self.tie_group = share_tied_weight(stage_modules, stage_ids, self.stage_to_rank, n_stages, mesh)
         self._evaluation = None  # the forward-only schedule of validation (several stages per rank)
 
     def _loss(self, token_loss_sum: torch.Tensor, target) -> torch.Tensor:
@@ -236,13 +256,15 @@ class Pipeline:
         loss = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
         return loss, labels
 
-    def step(self, microbatch, scale: float, all_reduce: bool = True) -> torch.Tensor:
+    def step(self, microbatch, scale: float, aux_scale: float = 0.0, all_reduce: bool = True) -> torch.Tensor:
         """Forward and backward of one local batch (inputs, labels[, positions]); the gradient is that of
-        scale x the summed token loss. all_reduce=False: the gradients are not all-reduced across replicas yet
-        (the delayed all-reduce). Returns the summed token loss (zero on ranks without the last stage)."""
+        scale x the summed token loss + aux_scale x an MoE's aux loss. all_reduce=False: the gradients are not
+        all-reduced across replicas yet (the delayed all-reduce). Returns the summed token loss (zero on ranks
+        without the last stage)."""
         self.scale = scale
         for stage in self.stages:
             stage.all_reduce = all_reduce
+            stage.submod.aux_grad_scale = aux_scale
         return self._run(self.schedule.step, microbatch)[0]
 
     @torch.no_grad()
