@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import types
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -178,6 +179,141 @@ def _stopped_while_waiting(tmp_path, lighthouse, env, *extra):
     return types.SimpleNamespace(returncode=code, log=log.read_text(), seconds=time.time() - sent)
 
 
+# ---------------------------------------------------------------- groups that are themselves parallel
+
+STEPS = 4
+# name: (the group's layout, the single job's extra settings): the single job is replicate 2 x the group's layout
+LAYOUTS = {
+    "moe_ep2_aux_free": ("--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "2",
+                         "--moe.load_balance", "aux_free", "--moe.bias_update_rate", "0.01",
+                         "--training.local_batch_size", "2"),
+    "mixtral_ep2_cp2_aux_loss": ("--model.name", "mixtral", "--parallelism.expert_parallel_degree", "2",
+                                 "--parallelism.context_parallel_degree", "2", "--moe.aux_loss_coef", "0.1",
+                                 "--training.local_batch_size", "4"),
+    "moe_pp2_aux_loss": ("--model.name", "qwen3_moe", "--parallelism.pipeline_parallel_degree", "2",
+                         "--moe.aux_loss_coef", "0.1", "--model.tie_embeddings", "false",
+                         "--training.local_batch_size", "4"),
+    "lora": ("--model.name", "qwen3_moe", "--lora.enable", "true", "--lora.rank", "4", "--lora.targets",
+             "q_proj,k_proj,v_proj,o_proj", "--model.tie_embeddings", "false", "--training.local_batch_size", "2"),
+}  # fmt: skip
+HEALED = "moe_ep2_aux_free"  # its groups then heal one from the other
+BASE = "moe_pp2_aux_loss"  # its single job's checkpoint is lora's base
+
+
+def _layout_argv(tmp, folder, name, *extra):
+    """The run `name` in tmp/folder (lora's base: the checkpoint of the pipelined single job, a tiny Qwen3-MoE)."""
+    base = ("--checkpoint.initial_load_path", f"{tmp}/one/{BASE}/checkpoint/step-{STEPS}") if name == "lora" else ()
+    return tiny_argv(f"{tmp}/{folder}/{name}", "--training.global_batch_size", "8", "--training.steps", str(STEPS),
+                     *LAYOUTS[name], *base, *extra)  # fmt: skip
+
+
+def _trained(t) -> dict:
+    """A run's logged losses and gradient norms, its routing biases at the end, and what says its layout ran."""
+    from titanlite.parallel.ft_heal import local
+
+    norms, moe, log = {}, {}, t.metrics.log
+    t.metrics.log = lambda m: (norms.__setitem__(m.step, m.grad_norm), moe.__setitem__(m.step, m.moe), log(m))[1]
+    losses = t.train()
+    experts = [local(p) for unit in t.model.expert_units() for p in unit.parameters()]
+    return {
+        "losses": losses,
+        "norms": norms,
+        "moe": moe,  # the logged load balance: the busiest expert's load over the mean, the aux loss
+        "bias": {k: v.clone() for k, v in t.model.state_dict().items() if k.endswith("expert_bias")},
+        "layout": dict(ep=t.dims.ep, cp=t.dims.cp, pp=t.dims.pp, groups=t.replicas.label(),
+                       experts_here=experts[0].shape[0] if experts else 0,
+                       stages_here=len(t.pipeline.stages) if t.pipeline else 0,
+                       trainable=sorted(n for n, p in t.model.named_parameters() if p.requires_grad)),
+        "healed_at": getattr(t.replicas, "healed_at", None),
+        "state": {k: local(v).clone() for k, v in t.model.state_dict().items()},
+        "moments": {(i, k): local(v).clone() for i, s in t.optimizer.state_dict()["state"].items()
+                    for k, v in s.items() if torch.is_tensor(v)},
+    }  # fmt: skip
+
+
+def _group_world(rank: int, world: int, port: int) -> None:
+    """This process joins a new default process group (the tests' stand-in for a replica group's torchrun)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _layouts_world(tmp, lighthouse: str) -> dict:
+    """World 4: each layout as one job (replicate 2 x the group's layout), then as two fault-tolerant groups of 2
+    processes (ranks 0-1 and 2-3, each in a process group of its own); then HEALED's group 0 resumes its last
+    checkpoint for 2 more steps and a new group 1 heals from it."""
+    from titanlite.runtime.distributed import free_port
+
+    g, r = divmod(int(os.environ["RANK"]), 2)
+    out = {name: {} for name in LAYOUTS}
+    for name in LAYOUTS:  # BASE before lora
+        ckpt = ("--checkpoint.enable",) if name == BASE else ()
+        t = make_trainer(_layout_argv(tmp, "one", name, "--parallelism.data_parallel_replicate_degree", "2", *ckpt))
+        out[name]["one"] = _trained(t)
+    ports = [None] * 4
+    torch.distributed.all_gather_object(ports, [free_port() for _ in range(len(LAYOUTS) + 1)])
+    ports = iter(ports[2 * g])  # group g's process groups, one per run
+    ft = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2", "--fault_tolerance.min_replicas",
+          "2", "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.replica_id", str(g))  # fmt: skip
+    for name in LAYOUTS:
+        _group_world(r, 2, next(ports))
+        ckpt = ("--checkpoint.enable",) if name == HEALED else ()
+        out[name]["ft"] = _trained(make_trainer(_layout_argv(tmp, f"g{g}", name, *ft, *ckpt)))
+    _group_world(r, 2, next(ports))
+    folder = "g0" if g == 0 else "g1-new"  # group 0 resumes at step STEPS; group 1 has no checkpoint
+    steps = ("--checkpoint.enable", "--training.steps", str(STEPS + 2))
+    out["healed"] = _trained(make_trainer(_layout_argv(tmp, folder, HEALED, *ft, *steps)))
+    return out
+
+
+@pytest.mark.slow
+def test_groups_with_experts_context_lora_or_pipeline_inside_give_one_jobs_losses(tmp_path):
+    """Two fault-tolerant groups of 2 processes, each with MoE x EP(2) (aux_free: the routing bias), MoE x EP(2) x
+    CP(2) (aux_loss: its term's scale), MoE x PP(2) (aux_loss in the stages' backward) or LoRA (on an MoE) inside,
+    train as one job of replicate 2 x that layout (fp32, 1e-5: losses, gradient norms, logged load balance, routing
+    biases); then a restarted MoE group heals (expert shards, routing bias, Adam's moments) and both end
+    bit-identical."""
+    lighthouse = _lighthouse()
+    try:
+        ranks = run_distributed(_layouts_world, 4, str(tmp_path), lighthouse.address())
+    finally:
+        lighthouse.shutdown()
+    expected = {"moe_ep2_aux_free": dict(ep=2, experts_here=4), "lora": {}, BASE: dict(pp=2, stages_here=1),
+                "mixtral_ep2_cp2_aux_loss": dict(ep=2, cp=2, experts_here=2)}  # fmt: skip
+    for rank, out in enumerate(ranks):
+        for name, facts in expected.items():
+            one, ft = out[name]["one"], out[name]["ft"]
+            assert ft["layout"]["groups"] == "2/2" and one["layout"]["groups"] is None, (name, ft["layout"])
+            for key, value in facts.items():
+                assert ft["layout"][key] == one["layout"][key] == value, (name, key, ft["layout"])
+            assert sorted(ft["losses"]) == list(range(1, STEPS + 1)), (name, ft["losses"])
+            for s in ft["losses"]:
+                assert abs(ft["losses"][s] - one["losses"][s]) < 1e-5, (name, rank, s, ft["losses"], one["losses"])
+                assert abs(ft["norms"][s] - one["norms"][s]) < 1e-5, (name, rank, s, ft["norms"], one["norms"])
+                logged, expected_moe = ft["moe"][s] or {}, one["moe"][s] or {}
+                assert logged.keys() == expected_moe.keys(), (name, logged, expected_moe)
+                assert all(abs(logged[k] - expected_moe[k]) < 1e-5 for k in logged), (name, s, logged, expected_moe)
+        trainable = out["lora"]["ft"]["layout"]["trainable"]
+        assert trainable and all("lora" in n for n in trainable), trainable  # the adapters alone train
+    for name in LAYOUTS:  # the routing biases (each rank holds its stage's): every group's as the single job's
+        one = {k: v for out in ranks for k, v in out[name]["one"]["bias"].items()}
+        biases = [(k, v) for out in ranks for k, v in out[name]["ft"]["bias"].items()]
+        assert {k for k, _ in biases} == one.keys() and (one or "moe" not in name), name
+        for k, v in biases:
+            torch.testing.assert_close(v, one[k], rtol=0, atol=1e-6, msg=f"{name} {k}")
+    assert any(b.abs().max() > 0 for b in ranks[0][HEALED]["ft"]["bias"].values())  # aux_free moved it
+    for r in (0, 1):  # rank r of group 1 healed from rank r of group 0: the same shards of every tensor, bit for bit
+        live, healed = ranks[r]["healed"], ranks[2 + r]["healed"]
+        assert live["healed_at"] == [] and healed["healed_at"] == [STEPS], (live["healed_at"], healed["healed_at"])
+        assert sorted(healed["losses"]) == [STEPS + 1, STEPS + 2] and healed["losses"] == live["losses"]
+        assert live["state"].keys() == healed["state"].keys()
+        for part in ("state", "moments"):
+            x, y = live[part], healed[part]
+            assert x.keys() == y.keys() and x and all(torch.equal(x[k], y[k]) for k in x), (r, part)
+
+
 def _running_with(text: str) -> list[int]:
     """The live processes whose command line holds `text` (a test's folder: its jobs' workers and launchers)."""
     found = []
@@ -314,7 +450,7 @@ def _groups(cfg, other=None, step=0, lighthouse=""):
     rg.settings = shared_settings(cfg, 1)
     rg.slots = torch.tensor(settings_slots(rg.settings), dtype=torch.float64)
     rg.weights, rg.quorum_seen, rg.finished_peers, rg.resumed_step, rg.healed_at = 0, None, [], 0, []
-    rg.quorum_now, rg.committed = None, 0
+    rg.quorum_now, rg.committed, rg.balance, rg._healed = None, 0, None, {"weight", "bias"}
     rg.trainer = types.SimpleNamespace(
         step=step,
         checkpointer=_Checkpointer(),
@@ -688,3 +824,51 @@ def test_torchft_is_pinned_below_the_version_whose_internals_titanlite_reads():
     extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
     extras = extras["optional-dependencies"]
     assert [d for d in extras["test"] + extras["ft"] if d.startswith("torchft")] == ["torchft>=0.2,<0.3"] * 2
+
+
+def test_healing_sends_what_a_checkpoint_of_the_run_holds():
+    """With LoRA: the adapters and the buffers (a LoRA checkpoint's model part), not the frozen base, which every
+    group loads from checkpoint.initial_load_path; without: every tensor of the state dict."""
+    from titanlite.parallel.ft_heal import healed_names
+
+    model = torch.nn.Module()
+    model.base = torch.nn.Linear(2, 2).requires_grad_(False)
+    model.lora_a = torch.nn.Parameter(torch.zeros(2))
+    model.register_buffer("expert_bias", torch.zeros(2))
+    model.register_buffer("rope", torch.zeros(2), persistent=False)
+    assert healed_names(model, lora=True) == {"lora_a", "expert_bias"}
+    assert healed_names(model, lora=False) == {"base.weight", "base.bias", "lora_a", "expert_bias"}
+
+
+def test_moe_balance_over_the_live_groups():
+    """aux_free: the loads that move the routing bias are summed over the live groups, and a step that does not
+    commit leaves the bias where it was; aux_loss: its term is scaled by group_count (each group trains its part)."""
+    from titanlite.config import load
+    from titanlite.models.moe import moe_layers
+    from titanlite.models.registry import FAMILIES, model_class
+    from titanlite.moe_balance import LoadBalance
+
+    args, dims = replace(FAMILIES["qwen3_moe"].flavors["tiny"], vocab_size=64), types.SimpleNamespace(dp_degree=1, tp=1)
+    with torch.device("meta"):
+        model = model_class("qwen3_moe")(args)
+    model.to_empty(device="cpu").init_weights(0)
+    layers, n = moe_layers(model), args.n_experts
+    sums, other = [], torch.zeros(len(layers), n).index_fill_(1, torch.tensor([n - 1]), 9.0)  # the other group's
+    groups = types.SimpleNamespace(ft=types.SimpleNamespace(group_count=2), participants=2,
+                                   sum=lambda t: sums.append(t.clone()) or t.double() + other)  # fmt: skip
+    aux = LoadBalance(model, load(["--moe.load_balance", "aux_loss", "--moe.aux_loss_coef", "0.5"]).moe, args, dims, 8)
+    aux.across_groups(groups)
+    assert aux.aux_scale == 2 * 0.5 * 1 / 8
+    balance = LoadBalance(model, load(["--moe.load_balance", "aux_free"]).moe, args, dims, 8)
+    balance.across_groups(groups)
+    mine = torch.ones(len(layers), n).index_fill_(1, torch.tensor([0]), 5.0)  # this group's loads: 5 on expert 0
+    for committed in (False, True):
+        for m, loads in zip(layers, mine):
+            m.tokens_per_expert.copy_(loads)
+        balance.step_done()
+        assert torch.equal(sums[-1], mine)
+        for m in layers:  # expert n - 1 got the most slots of all the groups', expert 0 more than the mean
+            bias = m.expert_bias
+            assert bias[n - 1] < 0 and bias[0] < 0 < bias[1], bias
+        balance.step_committed(committed)
+        assert all(m.expert_bias.any() == committed for m in layers)  # put back when the step is retried

@@ -21,8 +21,9 @@ def usable_timeout(v) -> bool:
 class FaultTolerance:
     enable: bool = setting(
         False,
-        "this job is one replica group of a fault-tolerant job: FSDP (and TP) inside it, the gradient averaged across "
-        "the live groups through torchft's manager; a group that dies is dropped, a restarted one heals from a peer",
+        "this job is one replica group of a fault-tolerant job: FSDP (with EP, CP or PP, if set) inside it, the "
+        "gradient averaged across the live groups through torchft's manager; a group that dies is dropped, a restarted "
+        "one heals from a peer",
     )
     replica_id: int = setting(
         0,

@@ -228,18 +228,12 @@ def longest_quorum_wait(ft_cfg) -> float:
 
 
 def _unsupported(cfg, dims) -> str | None:
+    """What a replica group cannot hold: a replicate dimension of its own (CP, EP, PP and LoRA compose)."""
     if dims.dp_replicate > 1:
         return (
             f"parallelism.data_parallel_replicate_degree = {dims.dp_replicate} inside a fault-tolerant group: the "
             "replicate dimension is across groups (fault_tolerance.group_count); set it to 1"
         )
-    for value, key in ((dims.cp, "context_parallel_degree"), (dims.ep, "expert_parallel_degree")):
-        if value > 1:
-            return f"parallelism.{key} = {value} is not supported with fault_tolerance.enable = true yet; set it to 1"
-    if cfg.model.name in ("qwen3_moe", "mixtral"):
-        return f"model.name = {cfg.model.name!r}: Mixtures of Experts are not supported with fault tolerance yet"
-    if cfg.lora.enable:
-        return "lora.enable = true is not supported with fault_tolerance.enable = true yet"
     return None
 
 

@@ -1,10 +1,12 @@
-"""Fault-tolerant HSDP ([fault_tolerance], torchft): each replica group is its own job with FSDP (and TP) inside it;
-across groups, the gradients are averaged over the groups that are alive, through torchft's Manager and a process
-group it rebuilds at every quorum. A group that dies is dropped at the next quorum (or the commit fails and the step
-is retried without it); a restarted group receives the weights, optimizer state, schedule, step and data position
-of a live peer (rank r from rank r) and trains on from there. A lighthouse that dies is waited for (a restart at its
-address is rejoined); a group that cannot go on, or gets a stop signal while it waits, saves its last committed step
-first. What the groups compare at every step (settings, ids, weights) is in parallel/ft.py. docs/fault_tolerance.md.
+"""Fault-tolerant HSDP ([fault_tolerance], torchft): each replica group is its own job with FSDP (and TP, CP, EP, PP,
+LoRA) inside it; across groups, the gradients are averaged over the groups that are alive (rank r with rank r: the
+groups share one layout), through torchft's Manager and a process group it rebuilds at every quorum. A group that
+dies is dropped at the next quorum (or the commit fails and the step is retried without it); a restarted group
+receives the weights, optimizer state, schedule, step and data position of a live peer (rank r from rank r;
+parallel/ft_heal.py) and trains on from there. An MoE's load balancing sums its expert loads over the live groups
+too (moe_balance.LoadBalance.across_groups). A lighthouse that dies is waited for (a restart at its address is
+rejoined); a group that cannot go on, or gets a stop signal while it waits, saves its last committed step first.
+What the groups compare at every step (settings, ids, weights) is in parallel/ft.py. docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from titanlite.errors import ConfigError, ReplicaGroupsError
 from titanlite.parallel.ft import (
@@ -46,6 +47,7 @@ from titanlite.parallel.ft import (
     weights_fingerprint,
     weights_verdict,
 )
+from titanlite.parallel.ft_heal import healed_names, local, peer_state, take_state
 
 logger = logging.getLogger("titanlite")
 
@@ -55,15 +57,12 @@ def replica_groups(cfg, trainer, env):
     return ReplicaGroups(cfg, trainer, env) if cfg.fault_tolerance.enable else NoReplicaGroups()
 
 
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class ReplicaGroups:
     """This group's side of a fault-tolerant job: quorum, cross-group sums and averages, commit, healing.
 
     `trainer` holds model, optimizer, lr_scheduler, dataloader, step and tokens_seen (the Trainer); they are what a
-    restarted group receives from a live one.
+    restarted group receives from a live one (parallel/ft_heal.py). Its `balance` (an MoE's load balancing,
+    moe_balance.LoadBalance), when it has one, sums the expert loads over the live groups too.
     """
 
     def __init__(self, cfg, trainer, env):
@@ -107,7 +106,11 @@ class ReplicaGroups:
         self.finished_peers = self._peers_at_the_end()  # groups of the lighthouse's last quorum (before ours)
         self.resumed_step = trainer.step  # its checkpoint holds that step already
         self.healed_at: list[int] = []
+        self._healed = healed_names(trainer.model, cfg.lora.enable)  # what healing sends: a checkpoint's tensors
         self.skipped_sequences = 0
+        self.balance = getattr(trainer, "balance", None)  # an MoE's load balancing: over the live groups too
+        if self.balance is not None:
+            self.balance.across_groups(self)
         # A frozen rank must take its group out before the live groups' quorum times out: while this group's rank 0
         # heartbeats, the lighthouse keeps it and refuses them a quorum without it (titanlite.runtime.hang_watch).
         trainer.hang.leave_when_silent(ft.quorum_timeout_seconds / 4, ft.replica_id)
@@ -252,7 +255,7 @@ class ReplicaGroups:
         self.quorum_now = getattr(self.manager, "_quorum_id", None)  # the same for every group of a quorum
         self.weights = 0
         if self.quorum_now is None or self.quorum_now != self.quorum_seen:  # seen: set once a check went through
-            self.weights = 1 + weights_fingerprint(_local(v) for v in self.trainer.model.state_dict().values())
+            self.weights = 1 + weights_fingerprint(local(v) for v in self.trainer.model.state_dict().values())
         if self.finished_peers and self.participants == 1:
             logger.warning(
                 f"Fault tolerance: this group trains on alone from step {self.trainer.step + 1}{self._peers_note()}; "
@@ -361,7 +364,7 @@ class ReplicaGroups:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
-                g = _local(p.grad)
+                g = local(p.grad)
                 by_dtype.setdefault(g.dtype, []).append(g)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -373,6 +376,8 @@ class ReplicaGroups:
         """Whether every live group got through this step (else it is dropped and the step retried)."""
         ok = self.manager.should_commit()
         self.committed += bool(ok)
+        if self.balance is not None:
+            self.balance.step_committed(ok)
         return ok
 
     def count_skipped(self, global_batch_size: int) -> None:
@@ -396,54 +401,9 @@ class ReplicaGroups:
     # ---------------------------------------------------------------- checks and healing
 
     def _state(self) -> dict:
-        t = self.trainer
-        opt = t.optimizer.state_dict()
-        return {
-            "model": {k: _local(v) for k, v in t.model.state_dict().items()},
-            "optimizer": {
-                "state": {i: {k: _local(v) for k, v in s.items()} for i, s in opt["state"].items()},
-                "param_groups": opt["param_groups"],
-            },
-            "lr_scheduler": t.lr_scheduler.state_dict(),
-            "dataloader": t.dataloader.state_dict(),
-            "step": t.step,
-            "tokens_seen": t.tokens_seen,
-            "settings": self.settings,
-        }
+        """What this rank sends to the same rank of a group that heals (parallel/ft_heal.py)."""
+        return peer_state(self.trainer, self.settings, self._healed)
 
     def _load(self, state: dict) -> None:
-        """Take a live peer's state (healing); refused, naming the keys, when its shared settings differ: its tensors'
-        shapes and meaning follow them."""
-        peer = state.get("settings", {})
-        if peer != self.settings:
-            keys = sorted(k for k in self.settings.keys() | peer.keys() if self.settings.get(k) != peer.get(k))
-            raise ConfigError(
-                f"this group cannot heal from the live replica groups: they differ in "
-                f"{describe_difference(self.settings, [k for k in keys if k in self.settings], peer)}; every group "
-                "must run the same configuration (only the dump folder, checkpoint folder, logging and "
-                "fault_tolerance.replica_id may differ)"
-            )
-        t = self.trainer
-        with torch.no_grad():
-            for k, v in t.model.state_dict().items():
-                _local(v).copy_(state["model"][k])
-        params = [p for group in t.optimizer.param_groups for p in group["params"]]
-        opt_state = {}
-        for i, s in state["optimizer"]["state"].items():
-            p = params[int(i)]
-            opt_state[int(i)] = {k: self._like(p, v) for k, v in s.items()}
-        t.optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
-        t.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        t.dataloader.load_state_dict(state["dataloader"])
-        t.step, t.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-
-    @staticmethod
-    def _like(param, value):
-        """An optimizer state tensor received as this rank's local shard, placed like `param`."""
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value
-        local = value.to(_local(param).device)
-        if isinstance(param, DTensor):
-            return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                      stride=param.stride(), run_check=False)  # fmt: skip
-        return local
+        """Take a live peer's state (healing); refused, naming the keys, when its shared settings differ."""
+        take_state(self.trainer, state, self.settings, self._healed)
