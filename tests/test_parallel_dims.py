@@ -76,3 +76,16 @@ def test_build_mesh_world4():
     hsdp = run_distributed(_mesh_info, 4, 2)
     assert [r[:2] for r in hsdp] == [(("dp_replicate", "dp_shard"), (2, 2))] * 4
     assert [tuple(r[2]) for r in hsdp] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_each_kind_says_its_problem_and_generation_skips_training_only_ones():
+    """plan.check_parallelism loops over every kind's problem(); generation (inference) never trips on a training
+    setting: a reshard group that does not divide its shard degree (inference reshards every block)."""
+    from types import SimpleNamespace
+
+    from titanlite.parallel import fsdp
+
+    cfg = SimpleNamespace(parallelism=SimpleNamespace(fsdp_reshard_after_forward="2"))
+    dims = ParallelDims(dp_replicate=1, dp_shard=3, world_size=3)
+    assert "fsdp_reshard_after_forward = 2 must divide the shard degree 3" in fsdp.problem(cfg, dims)
+    assert fsdp.problem(cfg, dims, inference=True) is None

@@ -371,3 +371,25 @@ def test_dims_put_pp_outermost():
     assert d.mesh_dim_names == ("pp", "dp_shard", "tp") and d.mesh_shape == (2, 2, 2)
     assert [d.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # both stages of a dp rank read its batch
     assert d.describe() == "PP: pipeline_parallel_size=2; FSDP: shard_size=2"
+
+
+def test_torchs_shape_learning_forward_is_one_titanlite_marks():
+    """An MoE stage must not count the loads of the forward torch's PipelineStage runs once to learn shapes
+    (compat.py marks it by name): this torch has one of the names, and the marked stage sets the flag during it."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from titanlite.compat import SHAPE_LEARNING_FORWARDS, pipeline_stage_class
+
+    names = [n for n in SHAPE_LEARNING_FORWARDS if hasattr(PipelineStage, n)]
+    assert names, "torch renamed PipelineStage's shape-learning forward: add its name to compat.SHAPE_LEARNING_FORWARDS"
+    seen = []
+    stage = types.SimpleNamespace(submod=types.SimpleNamespace(inferring=False))
+    original = getattr(PipelineStage, names[0])
+    try:
+        setattr(PipelineStage, names[0], lambda self: seen.append(self.submod.inferring))
+        pipeline_stage_class.cache_clear()
+        getattr(pipeline_stage_class(), names[0])(stage)
+    finally:
+        setattr(PipelineStage, names[0], original)
+        pipeline_stage_class.cache_clear()
+    assert seen == [True] and stage.submod.inferring is False

@@ -11,8 +11,6 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
 
 SUPPORTED = ((2, 11), (2, 16))  # [lowest, past the highest) minor versions, as pyproject.toml admits
 
@@ -152,6 +150,10 @@ def forward_only_schedule(stages: list, n_microbatches: int, loss_fn, stage_to_r
     return ForwardOnly()
 
 
+# The names torch's PipelineStage gives the forward it runs once to learn the stages' shapes (2.13; earlier releases).
+SHAPE_LEARNING_FORWARDS = ("_forward_metadata_inference", "_shape_inference")
+
+
 @contextmanager
 def _metadata_inference(module):
     """Marks the module (`inferring`) while torch's pipeline stage runs it once to learn its shapes: that forward is
@@ -163,33 +165,43 @@ def _metadata_inference(module):
         module.inferring = False
 
 
-class PipelineStageKeepingAllReduce(PipelineStage):
-    """torch's PipelineStage, whose gradient reduction after a local batch keeps the delayed all-reduce: torch's
-    turns FSDP's gradient sync on, which also turns the all-reduce across replicas back on. Overrides the stage's
-    internal perform_reduce_grad (torch 2.11-2.15)."""
+@lru_cache(maxsize=1)
+def pipeline_stage_class():
+    """torch's PipelineStage, whose gradient reduction after a local batch keeps the delayed all-reduce (torch's turns
+    FSDP's gradient sync on, which also turns the all-reduce across replicas back on: its internal
+    perform_reduce_grad is overridden, torch 2.11-2.15), and whose shape-learning forward is marked on the stage
+    module. Built on first use: torch.distributed.pipelining imports the compiler stack."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
 
-    all_reduce = True  # False before the last accumulation microbatch (parallelism.gradient_sync = delay_all_reduce)
+    class PipelineStageKeepingAllReduce(PipelineStage):
+        all_reduce = True  # False before the last accumulation microbatch (gradient_sync = delay_all_reduce)
 
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        root = self.submod
-        if self.all_reduce or not isinstance(root, FSDPModule):
-            return super().perform_reduce_grad(grad_scale_factor)
-        turn_on = root.set_requires_gradient_sync
+        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+            root = self.submod
+            if self.all_reduce or not isinstance(root, FSDPModule):
+                return super().perform_reduce_grad(grad_scale_factor)
+            turn_on = root.set_requires_gradient_sync
 
-        def sync_without_all_reduce(requires: bool, *, recurse: bool = True) -> None:
-            turn_on(requires, recurse=recurse)
-            root.set_requires_all_reduce(False, recurse=recurse)
+            def sync_without_all_reduce(requires: bool, *, recurse: bool = True) -> None:
+                turn_on(requires, recurse=recurse)
+                root.set_requires_all_reduce(False, recurse=recurse)
 
-        root.set_requires_gradient_sync = sync_without_all_reduce
-        try:
-            super().perform_reduce_grad(grad_scale_factor)
-        finally:
-            del root.set_requires_gradient_sync
+            root.set_requires_gradient_sync = sync_without_all_reduce
+            try:
+                super().perform_reduce_grad(grad_scale_factor)
+            finally:
+                del root.set_requires_gradient_sync
 
-    def _forward_metadata_inference(self, *args, **kwargs):  # torch 2.13's name for its shape-learning forward
+    for name in SHAPE_LEARNING_FORWARDS:
+        if hasattr(PipelineStage, name):
+            setattr(PipelineStageKeepingAllReduce, name, _marked(getattr(PipelineStage, name)))
+    return PipelineStageKeepingAllReduce
+
+
+def _marked(learn_shapes):
+    def run(self, *args, **kwargs):
         with _metadata_inference(self.submod):
-            return super()._forward_metadata_inference(*args, **kwargs)
+            return learn_shapes(self, *args, **kwargs)
 
-    def _shape_inference(self, *args, **kwargs):  # the name in torch releases before it
-        with _metadata_inference(self.submod):
-            return super()._shape_inference(*args, **kwargs)
+    return run

@@ -169,7 +169,7 @@ def check_parallelism(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, devic
     for kind in PARALLEL_KINDS:
         if problem := kind.problem(cfg, dims, args, device_type, inference=inference):
             raise ConfigError(problem)
-    if not inference and (warning := tp.cross_node_warning(dims)) and int(os.environ.get("RANK", "0")) == 0:
+    if (warning := tp.cross_node_warning(dims)) and int(os.environ.get("RANK", "0")) == 0:
         logger.warning(warning)
 
 

@@ -18,9 +18,9 @@ from titanlite.parallel.ep import expert_fsdp_mesh
 
 
 def problem(cfg, dims, args=None, device_type: str | None = None, inference: bool = False) -> str | None:
-    """Why FSDP cannot shard this mesh with the configured reshard policy, or None."""
+    """Why FSDP cannot shard this mesh with the configured reshard policy, or None (inference reshards always)."""
     raf = cfg.parallelism.fsdp_reshard_after_forward
-    if raf.isdigit() and dims.dp_shard % int(raf):
+    if not inference and raf.isdigit() and dims.dp_shard % int(raf):
         return (
             f"parallelism.fsdp_reshard_after_forward = {raf} must divide the shard degree "
             f"{dims.dp_shard}; valid: default, always, never or a divisor of {dims.dp_shard}"

@@ -19,8 +19,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from titanlite.compat import PipelineStageKeepingAllReduce as Stage
-from titanlite.compat import forward_only_schedule
+from titanlite.compat import forward_only_schedule, pipeline_stage_class
 from titanlite.config.parallelism import PIPELINE_SCHEDULES
 from titanlite.optim import tie_across_ranks
 
@@ -219,7 +218,10 @@ class Pipeline:
     def __init__(self, stage_modules: list, stage_ids: list[int], n_stages: int, parallelism, local_batch_size, mesh,
                  device: torch.device, positions: bool = False):  # fmt: skip
         group, self.pp, self.device, self.positions = mesh.get_group(), mesh.size(), device, positions
-        self.stages = [Stage(module, i, n_stages, device, group=group) for module, i in zip(stage_modules, stage_ids)]
+        self.stages = [
+            pipeline_stage_class()(module, i, n_stages, device, group=group)
+            for module, i in zip(stage_modules, stage_ids)
+        ]
         self.first = 0 in stage_ids
         self.n_microbatches = pipeline_microbatches(parallelism, local_batch_size)
         self.schedule_name = parallelism.pipeline_parallel_schedule
@@ -274,7 +276,10 @@ class Pipeline:
             return self._run(self.schedule.eval, microbatch)
         if self._evaluation is None:  # its own stages: a schedule's stages hold its buffers and metadata
             self._evaluation = forward_only_schedule(
-                [Stage(s.submod, s.stage_index, s.num_stages, self.device, group=s.group) for s in self.stages],
+                [
+                    pipeline_stage_class()(s.submod, s.stage_index, s.num_stages, self.device, group=s.group)
+                    for s in self.stages
+                ],
                 self.n_microbatches,
                 self._loss,
                 self.stage_to_rank,
