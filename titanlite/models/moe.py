@@ -173,6 +173,7 @@ class MoE(nn.Module):
         # top-k slots each expert got in this optimizer step on this rank (update_load_balance reads and clears it)
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)
         self.load_balance = "none"  # set by the model builder
+        self.block, self.n_blocks = 0, 1  # its block's index among the model's (update_load_balance's row), of how many
         self.tp_group = None  # under tensor parallelism: the ranks that each route their own share of the tokens
         # the ranks whose tokens make up the same sequences (tp, and context parallelism's cp x tp): their load-
         # balancing statistics are summed (the router's gradient only over tp: FSDP already reduces it over cp)
