@@ -314,6 +314,7 @@ def _check(args):
     return r.stderr
 
 
+@pytest.mark.slow  # a dozen launches of the trainer's checks (15 s): outside the fast inner loop
 def test_bad_hf_folders_are_clear_config_errors(tmp_path):
     from safetensors.torch import load_file, save_file
 
