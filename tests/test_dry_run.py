@@ -300,6 +300,21 @@ def test_dry_run_sizes_qwen3_moe_with_expert_parallelism(capsys):
     assert code == 0 and "fits: yes" in out and "235.09B parameters" in out
 
 
+def test_dry_run_sizes_an_moe_with_pipeline_and_expert_parallelism(capsys):
+    """Qwen3-30B-A3B on 16 GPUs as PP 2 x FSDP 8 x EP 8: each pipeline rank holds its stage's 24 blocks, experts
+    split over ep inside its stage group, so its parameters are the model's over all 16 ranks; it fits."""
+    code, out, _ = _main(capsys, 16, "--job.config_file", "qwen3_30b_a3b_finetune", "--model.tokenizer_path", "",
+                         "--checkpoint.initial_load_path", "", "--parallelism.pipeline_parallel_degree", "2",
+                         "--parallelism.expert_parallel_degree", "8", "--activation_checkpoint.mode", "full",
+                         "--training.local_batch_size", "2", "--training.global_batch_size", "32")  # fmt: skip
+    assert code == 0 and "fits: yes" in out, out
+    assert "EP: expert_parallel_size=8, experts FSDP-sharded over 1 rank(s)" in out
+    assert "48 blocks in 2 stages of 24, 24" in out
+    rows = re.findall(r"rank (\d)\s+stages \d+\s+([\d.]+)", out)
+    assert [r for r, _ in rows] == ["0", "1"], out
+    assert all(abs(float(params) - 30_532_122_624 * 4 / 16 / GIB) < 0.05 for _, params in rows), rows
+
+
 def test_dry_run_70b_and_405b_with_tensor_parallelism(capsys, monkeypatch):
     """70B on 2 x 8 GPUs as FSDP 2 x TP 8 fits (FSDP alone needs 32 GPUs); per-rank state is the total over
     shard x tp plus the norms, which tp replicates; 405B fits on 16 x 8 GPUs, not on 8 x 8; tp beyond a node warns."""
