@@ -89,3 +89,32 @@ def test_each_kind_says_its_problem_and_generation_skips_training_only_ones():
     dims = ParallelDims(dp_replicate=1, dp_shard=3, world_size=3)
     assert "fsdp_reshard_after_forward = 2 must divide the shard degree 3" in fsdp.problem(cfg, dims)
     assert fsdp.problem(cfg, dims, inference=True) is None
+
+
+def _context_parallel_groups(tmp):
+    """The cp group a model built for training and one built for generation get from the same meshes."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from titanlite.config import load
+    from titanlite.model_builder import build_model
+    from titanlite.models.registry import model_args
+    from titanlite.parallel.dims import Meshes
+    from titanlite.runtime.distributed import init_distributed
+
+    from helpers import tiny_argv
+
+    init_distributed()
+    cfg = load(tiny_argv(tmp))
+    world = ParallelDims(dp_replicate=1, dp_shard=1, world_size=1).build_mesh("cpu")
+    meshes = Meshes(world, cp=SimpleNamespace(get_group=lambda: dist.group.WORLD))
+    args = model_args(cfg.model, 258, cfg.training.seq_len)
+    return [build_model(cfg, args, meshes, inference=i).model.cp_group is not None for i in (False, True)]
+
+
+@pytest.mark.slow
+def test_generation_never_splits_sequences_over_context_parallel_ranks(tmp_path):
+    """A training config's context_parallel_degree leaves generation's model whole (generate builds every mesh with
+    one call; only training wires attention to the cp group)."""
+    assert run_distributed(_context_parallel_groups, 1, str(tmp_path))[0] == [True, False]

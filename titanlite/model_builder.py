@@ -87,7 +87,8 @@ def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool 
         model.set_load_balance("none" if inference else cfg.moe.load_balance)
         if meshes is not None:
             apply_ep(model, meshes.expert, tp=1 if tp_mesh is None else tp_mesh.size())
-    apply_cp(model, meshes)  # context parallelism: each rank computes its chunks of every sequence
+    if not inference:  # context parallelism: each rank computes its chunks of every sequence (generation: none)
+        apply_cp(model, meshes)
     if not inference:
         model.loss_chunk_tokens = chunked_loss_tokens(cfg, 1 if tp_mesh is None else tp_mesh.size())
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
