@@ -10,7 +10,7 @@ Two spawned worlds (1 and 4 ranks), each running several configurations."""
 import shutil
 
 import pytest
-from test_pipeline import _drop_after, _pp, _run, _same
+from test_pipeline import _checkpoint_keys, _drop_after, _pp, _run, _same
 
 from helpers import run_distributed
 
@@ -55,7 +55,7 @@ def test_pipeline_composes_with_moe_ep_cp_and_lora(tmp_path):
         1,
         [
             ("one", one, CKPT),
-            ("lora", tmp_path / "lora", _lora(base)),  # on the dense run's step-5 weights, saved just before
+            ("lora", tmp_path / "lora", (*_lora(base), *CKPT)),  # on the dense run's step-3 weights, saved just before
             ("moe", moe, (*AUX, *CKPT)),
             ("free", free, FREE),
         ],
@@ -72,7 +72,7 @@ def test_pipeline_composes_with_moe_ep_cp_and_lora(tmp_path):
             ("ep_from_one", moe, (*_pp("1F1B"), *AUX, *EP2, *CKPT)),
             ("cp", tmp_path / "cp", (*_pp("1F1B"), *CP2)),
             ("free_interleaved", tmp_path / "fi", (*_pp("Interleaved1F1B"), *FREE)),
-            ("lora", tmp_path / "pl", (*_pp("1F1B"), *_lora(base))),
+            ("lora", tmp_path / "pl", (*_pp("1F1B"), *_lora(base), *CKPT)),
         ],
         [(ep / "checkpoint" / "step-3", tmp_path / "ep_resumed" / "checkpoint")],
     )[-1]  # a last stage's rank: its logged losses are the global ones
@@ -87,6 +87,10 @@ def test_pipeline_composes_with_moe_ep_cp_and_lora(tmp_path):
     assert four["cp"]["cp"] == 2
     trained = four["lora"]["trained"]  # this rank's stage's adapters, and nothing else
     assert trained and set(trained) < set(refs["lora"]["trained"]) and all("lora_" in n for n in trained)
+    # the stages' checkpoint holds what a one-process LoRA checkpoint holds: the adapters (FSDP-sharded), no base
+    keys = _checkpoint_keys(tmp_path / "pl", 6)
+    assert keys.keys() == _checkpoint_keys(tmp_path / "lora", 6).keys()
+    assert any("lora_a" in k for k in keys) and not any(k.endswith("attention.wq.weight") for k in keys)
     # the aux loss and the routing-bias update do change the losses (a test that can fail)
     assert abs(refs["moe"]["loss"][6] - refs["free"]["loss"][6]) > 1e-4
 
