@@ -69,8 +69,9 @@ class LoadBalance:
         counts = torch.stack([m.tokens_per_expert for m in self.layers])
         for m, summed in zip(self.layers, self.groups.sum(counts)):
             m.tokens_per_expert.copy_(summed)
-        if self.bias_rate:  # the routing biases before this step moves them
-            self._bias_before = [(m.expert_bias, m.expert_bias.clone()) for m in self.layers]
+        if self.bias_rate:  # the layers' persistent buffers: their routing biases
+            kept = [(m, set(m.state_dict(keep_vars=True))) for m in self.layers]
+            self._bias_before = [(b, b.clone()) for m, names in kept for n, b in m.named_buffers() if n in names]
 
     def step_committed(self, committed: bool) -> None:
         """Fault tolerance, after the commit: a step that a group failed (retried, its sums meaningless) puts the
