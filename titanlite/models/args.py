@@ -32,6 +32,7 @@ class RopeScaling:
     beta_slow: float = 1.0  # yarn
     attention_factor: float = 1.0  # yarn: q and k rotations scaled by it (logits by its square)
     truncate: bool = True  # yarn: the ramp's ends rounded to whole feature pairs
+    mscale_all_dim: float = 0.0  # yarn, DeepSeek's attention: softmax scale x yarn_mscale(factor, this)^2; 0 = none
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,24 @@ class ModelArgs:
     )
     router_aux_loss_coef: float = 0.001  # the published weight of the load-balancing loss ([moe] aux_loss_coef = -1)
     router_init_std: float = 0.02  # the router's init; the test flavors use decisive routers (ties flip at 1e-7)
+    # DeepSeek-V3 / GLM-4.5 routing (models/moe.py): sigmoid scores, the top-k chosen within the topk_group best of
+    # n_group expert groups, the chosen weights times routed_scaling_factor, and n_shared_experts experts' worth of
+    # SwiGLU (moe_hidden_dim * n_shared_experts) that every token goes through beside its routed ones.
+    score_func: str = "softmax"  # softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3, GLM-4.5)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    dense_layers: tuple[int, ...] = ()  # blocks of an MoE model whose feed-forward is the dense SwiGLU
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; models/mla.py), on when kv_lora_rank > 0: keys and values
+    # from a compressed kv_lora_rank latent, q through a q_lora_rank one (0: one q projection), each head's q/k split
+    # into qk_nope_head_dim features without RoPE and qk_rope_head_dim with it (one rotated key shared by the heads).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    partial_rotary_factor: float = 1.0  # the share of each head's features RoPE rotates (GLM-4.5: 0.5)
 
     def position_limit(self) -> int:
         """The positions the model is meant to reach: its published context (config.json's max_position_embeddings),
@@ -82,16 +101,50 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
+        """Features per head of q and k (MLA: the no-RoPE and RoPE parts together)."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def value_dim(self) -> int:
+        """Features per head of v and of the attention output."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Features per head that RoPE rotates (the first ones of each head; MLA: its RoPE part)."""
+        if self.mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek)."""
+        return self.kv_lora_rank > 0
+
+    @property
     def moe(self) -> bool:
-        """Whether the blocks' feed-forward is a Mixture of Experts."""
+        """Whether the blocks' feed-forward is a Mixture of Experts (all but dense_layers)."""
         return self.n_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer`'s feed-forward is the Mixture of Experts (else the dense SwiGLU)."""
+        return self.moe and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The blocks whose feed-forward is the Mixture of Experts."""
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    @property
+    def shared_hidden_dim(self) -> int:
+        """The hidden size of an MoE block's shared experts (one SwiGLU); 0 without."""
+        return self.moe_hidden_dim * self.n_shared_experts
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -105,9 +158,32 @@ class ModelArgs:
     def with_overrides(self, **kw) -> ModelArgs:
         return replace(self, **kw)
 
-    def block_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every parameter of one transformer block, by its name inside the block."""
-        d, q, kv, ffn = self.dim, self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
+    def attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter of one block's attention, by its name inside the block."""
+        d, h = self.dim, self.n_heads
+        if self.mla:
+            qk, r = self.head_dim, self.kv_lora_rank
+            shapes = {}
+            if self.q_lora_rank:
+                shapes.update(
+                    {
+                        "attention.q_a_proj.weight": (self.q_lora_rank, d),
+                        "attention.q_a_norm.weight": (self.q_lora_rank,),
+                        "attention.q_b_proj.weight": (h * qk, self.q_lora_rank),
+                    }
+                )
+            else:
+                shapes["attention.wq.weight"] = (h * qk, d)
+            shapes.update(
+                {
+                    "attention.kv_a_proj.weight": (r + self.qk_rope_head_dim, d),
+                    "attention.kv_a_norm.weight": (r,),
+                    "attention.kv_b_proj.weight": (h * (self.qk_nope_head_dim + self.v_head_dim), r),
+                    "attention.wo.weight": (d, h * self.v_head_dim),
+                }
+            )
+            return shapes
+        q, kv = h * self.head_dim, self.kv_heads * self.head_dim
         shapes = {
             "attention.wq.weight": (q, d),
             "attention.wk.weight": (kv, d),
@@ -118,7 +194,14 @@ class ModelArgs:
             shapes.update({"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
         if self.qk_norm:
             shapes.update({"attention.q_norm.weight": (self.head_dim,), "attention.k_norm.weight": (self.head_dim,)})
-        if self.moe:  # experts as 3-D [experts, in, out] weights
+        return shapes
+
+    def block_shapes(self, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter of transformer block `layer` (None: an MoE block of an MoE model), by its name
+        inside the block."""
+        d, ffn = self.dim, self.ffn_hidden_dim
+        shapes = self.attention_shapes()
+        if self.moe and (layer is None or self.is_moe_layer(layer)):  # experts as 3-D [experts, in, out] weights
             e, h = self.n_experts, self.moe_hidden_dim
             shapes.update(
                 {
@@ -128,6 +211,15 @@ class ModelArgs:
                     "feed_forward.experts.w2": (e, h, d),
                 }
             )
+            if self.n_shared_experts:
+                s = self.shared_hidden_dim
+                shapes.update(
+                    {
+                        "feed_forward.shared.w1.weight": (s, d),
+                        "feed_forward.shared.w3.weight": (s, d),
+                        "feed_forward.shared.w2.weight": (d, s),
+                    }
+                )
         else:
             shapes.update(
                 {
@@ -143,7 +235,7 @@ class ModelArgs:
         """Shape of every parameter of the model by its state-dict name (a tied output projection included)."""
         out = {"tok_embeddings.weight": (self.vocab_size, self.dim)}
         for i in range(self.n_layers):
-            out.update({f"layers.{i}.{name}": shape for name, shape in self.block_shapes().items()})
+            out.update({f"layers.{i}.{name}": shape for name, shape in self.block_shapes(i).items()})
         out.update({"norm.weight": (self.dim,), "output.weight": (self.vocab_size, self.dim)})
         return out
 
@@ -154,12 +246,12 @@ class ModelArgs:
     def param_counts(self) -> dict[str, int]:
         """Parameter counts: total (a tied weight once), embedding, non_embedding (the output projection in it);
         with experts also active and active_non_embedding: what one token computes with (top_k of the experts)."""
-        block = sum(_numel(s) for s in self.block_shapes().values())
+        blocks = sum(_numel(s) for i in range(self.n_layers) for s in self.block_shapes(i).values())
         embedding = self.vocab_size * self.dim
         output = self.vocab_size * self.dim
-        non_embedding = self.n_layers * block + self.dim + output  # + final norm
+        non_embedding = blocks + self.dim + output  # + final norm
         total = embedding + non_embedding - (output if self.tie_embeddings else 0)
-        idle = self.n_layers * (self.n_experts - self.top_k) * 3 * self.dim * self.moe_hidden_dim if self.moe else 0
+        idle = len(self.moe_layers) * (self.n_experts - self.top_k) * 3 * self.dim * self.moe_hidden_dim
         return {
             "total": total,
             "embedding": embedding,
@@ -171,11 +263,17 @@ class ModelArgs:
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at this sequence length (see titanlite/sizing/flops.py); an MoE
         counts the parameters a token is computed with (top_k experts), not every expert."""
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        attention = 6 * self.n_layers * self.n_heads * (self.head_dim + self.value_dim) * seq_len
         return 6 * self.param_counts()["active_non_embedding"] + attention
 
     def block_activation_bytes(
-        self, act_bytes: int, tp: int = 1, sequence_parallel: bool = True, frozen_norms: bool = False, cp: int = 1
+        self,
+        act_bytes: int,
+        tp: int = 1,
+        sequence_parallel: bool = True,
+        frozen_norms: bool = False,
+        cp: int = 1,
+        layer: int | None = None,
     ) -> dict[str, int]:
         """Bytes per token one block keeps for backward on one rank: 'none' (no AC), 'full' (full AC), 'op'
         (selective 'op') and 'op_every_second' (selective 'op', TorchTitan's every-second-matmul policy), counted
@@ -203,6 +301,11 @@ class ModelArgs:
         frozen_norms (a LoRA base): a norm whose weight gets no gradient does not keep its fp32 x/rms (4*dim per
         norm; Qwen3's q/k norms 4*(q + kv)).
 
+        layer: the block (None: an MoE block of an MoE model); a dense block of an MoE model (dense_layers) keeps
+        the dense FFN's. Shared experts keep a dense FFN's of their hidden size beside the routed ones. Multi-head
+        latent attention keeps, in place of q/k/v: the latents and their norms (fp32 input and x/rms), q and the
+        expanded k, the kv_b projection's output (v is a view of it) and the attention output.
+
         An MoE block keeps, in place of the FFN's, per routed token (each tp rank routes 1 / tp of them, and with
         expert parallelism receives as many on average; models/moe.py):
 
@@ -213,12 +316,13 @@ class ModelArgs:
             'op', every second    the router's logits (5th matmul of the block) and w3's output (7th)
         """
         a, d = act_bytes, self.dim
+        moe = self.moe if layer is None else self.is_moe_layer(layer)
         heads, kv_heads = self.n_heads // tp, self.kv_heads // tp
         q, kv, ffn = heads * self.head_dim, kv_heads * self.head_dim, self.ffn_hidden_dim // tp
         share = 1 / tp if sequence_parallel else 1.0  # of the residual stream's tokens on this rank
-        gathered = 1 if self.moe else 2  # the whole-sequence inputs of attention (and the dense FFN)
+        gathered = 1 if moe else 2  # the whole-sequence inputs of attention (and the dense FFN)
         norms = (2 * d * (4 + 4 + a) + 2 * 4) * share + gathered * d * a * (1 - share)
-        if self.moe:  # nothing saves the ffn norm's output: the router saves its fp32 copy
+        if moe and not self.n_shared_experts:  # nothing saves the ffn norm's output: the router saves its fp32 copy
             norms -= d * a * share
         if self.qk_norm:
             norms += (q + kv) * (4 + 4) + 4 * (heads + kv_heads)  # its output is RoPE's saved input
@@ -227,16 +331,39 @@ class ModelArgs:
         # the other cp ranks' keys and values, gathered: kept by attention and, as the CPU's SDPA measures, once more
         # in the contiguous layout it computes in (MemTracker, benchmarks/memory_estimate.py cp2_fp32)
         lse = 4 * heads + 4 * kv * act_bytes * (cp - 1)
-        if self.moe:
+        # attention's matmul outputs and what it keeps (q, k, v, its output): (none, op, every second) per token
+        attention = ((2 * q + 2 * kv) * a, (2 * q + 2 * kv) * a, (2 * q + kv) * a)
+        if self.mla:
+            rq, r, rope, vd = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.value_dim
+            kv_b = heads * (self.qk_nope_head_dim + vd)
+            latents = (2 * rq + 2 * r + rope) * a + 8 * (rq + r) + 8
+            lse = 4 * heads + 4 * (q + heads * vd) * act_bytes * (cp - 1)
+            # v is zero-padded to the q/k head dim for the attention kernel (models/rope_attention.attend), which keeps
+            # q, k, the padded v and its output; kv_b's output is not kept (k is a copy, v a padded copy)
+            attention = (
+                latents + (4 * q + heads * vd) * a,
+                (rq + r + rope + q + kv_b) * a,
+                (rq + q) * a,
+            )
+        if moe:
             e, experts = self.n_experts, self.expert_activation_bytes(act_bytes, tp)
             ffn_none = (4 * d + 4 * e + 4 + 28 * self.top_k) / tp + experts["none"]
             ffn_op = 4 * e / tp + experts["op"]
             ffn_second = 4 * e / tp + experts["op_every_second"]
+            s = self.shared_hidden_dim // tp
+            shared = (4 * s * a, 2 * s * a, s * a) if s else (0, 0, 0)
             return {
-                "none": int(norms + (2 * q + 2 * kv) * a + ffn_none + lse),
+                "none": int(norms + attention[0] + ffn_none + shared[0] + lse),
                 "full": int(d * a * share),
-                "op": int(d * a * share + (d + 2 * q + 2 * kv) * a + ffn_op + lse),
-                "op_every_second": int(d * a * share + (2 * q + kv) * a + ffn_second + lse),
+                "op": int(d * a * share + d * a + attention[1] + ffn_op + shared[1] + lse),
+                "op_every_second": int(d * a * share + attention[2] + ffn_second + shared[2] + lse),
+            }
+        if self.mla:
+            return {
+                "none": int(norms + attention[0] + 4 * ffn * a + lse),
+                "full": int(d * a * share),
+                "op": int(d * a * share + (2 * d + 2 * ffn) * a + attention[1] + lse),
+                "op_every_second": int(d * a * share + (d + ffn) * a + attention[2] + lse),
             }
         return {
             "none": int(norms + (2 * q + 2 * kv + 4 * ffn) * a + lse),
@@ -282,4 +409,6 @@ def args_from_dict(data: dict) -> ModelArgs:
     data = dict(data)
     if data.get("rope_scaling") is not None:
         data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    if "dense_layers" in data:  # a JSON list
+        data["dense_layers"] = tuple(data["dense_layers"])
     return ModelArgs(**data)

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -22,8 +21,10 @@ from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
 from titanlite.models.chunked_loss import chunked_linear_cross_entropy
 from titanlite.models.context_parallel import cp_attention_mask, gather_sequence, inverse_order, local_index
+from titanlite.models.feed_forward import FeedForward
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.lora import adapter_init, is_adapter
+from titanlite.models.mla import LatentAttention
 from titanlite.models.moe import MoE, aux_loss_sum, moe_layers, record_forward
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 
@@ -70,26 +71,26 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = LatentAttention(args) if args.mla else Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        if args.moe:
-            self.feed_forward = MoE(args.dim, args.n_experts, args.top_k, args.moe_hidden_dim, args.norm_topk_prob)
+        if args.is_moe_layer(layer_id):
+            self.feed_forward = MoE(
+                args.dim,
+                args.n_experts,
+                args.top_k,
+                args.moe_hidden_dim,
+                args.norm_topk_prob,
+                score_func=args.score_func,
+                n_group=args.n_group,
+                topk_group=args.topk_group,
+                scaling=args.routed_scaling_factor,
+                shared_hidden=args.shared_hidden_dim,
+            )
             self.feed_forward.block, self.feed_forward.n_blocks = layer_id, args.n_layers  # its row in the loads
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
@@ -159,7 +160,7 @@ class Transformer(nn.Module):
 
     def _rope_table(self, device=None) -> torch.Tensor:
         a = self.args
-        return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
+        return rope_table(a.rope_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
     def forward(
         self,

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.compat import resolve_async_collective
+from titanlite.models.mla import LatentAttention
 from titanlite.models.moe import MoE
 
 
@@ -101,6 +102,17 @@ def _moe_plan(moe: MoE, tp_mesh: DeviceMesh, seq, split: bool) -> ParallelStyle:
     )
 
 
+def _latent_attention_plan(attention: LatentAttention, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+    """Multi-head latent attention under tensor parallelism: the per-head projections (q_b_proj or wq, kv_b_proj) are
+    column-parallel, so each rank computes its heads; the latent projections and their norms are whole on every
+    rank (plain modules on the whole sequence, which every rank holds), their gradients complete on each: the
+    head-parallel matmuls sum their input gradients over tp, and the RoPE key part that every head shares has its
+    gradient summed over tp too (attention.tp_group)."""
+    attention.tp_group = tp_mesh.get_group()
+    q = "attention.q_b_proj" if hasattr(attention, "q_b_proj") else "attention.wq"
+    return {q: ColwiseParallel(), "attention.kv_b_proj": ColwiseParallel()}
+
+
 def parallelize_decoder(
     model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool, inference: bool = False
 ):
@@ -119,14 +131,18 @@ def parallelize_decoder(
         },
     )
     for block in model.layers:
-        plan = {
-            "attention_norm": norm(),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "ffn_norm": norm(),
-        }
+        latent = isinstance(block.attention, LatentAttention)
+        plan = {"attention_norm": norm(), "ffn_norm": norm(), "attention.wo": RowwiseParallel(output_layouts=seq)}
+        if latent:
+            plan.update(_latent_attention_plan(block.attention, tp_mesh))
+        else:
+            plan.update(
+                {
+                    "attention.wq": ColwiseParallel(),
+                    "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(),
+                }
+            )
         if isinstance(block.feed_forward, MoE):
             plan["feed_forward"] = _moe_plan(block.feed_forward, tp_mesh, seq, split=not inference)
         else:
@@ -139,7 +155,9 @@ def parallelize_decoder(
             )
         if sequence_parallel:  # the whole sequence for attention (x, rope, mask, cache) and the FFN
             plan["attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
+                use_local_output=latent,  # its latent projections are plain modules (see _latent_attention_plan)
             )
             if not isinstance(block.feed_forward, MoE):
                 plan["feed_forward"] = PrepareModuleInput(

@@ -25,8 +25,9 @@ from torch import nn
 class LayerKV:
     """One attention layer's keys and values in a KVCache."""
 
-    def __init__(self, owner: KVCache, kv_heads: int, head_dim: int):
+    def __init__(self, owner: KVCache, kv_heads: int, head_dim: int, value_dim: int | None = None):
         self.owner, self.kv_heads, self.head_dim = owner, kv_heads, head_dim
+        self.value_dim = value_dim or head_dim  # v's features per head (multi-head latent attention: its own)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
@@ -60,18 +61,20 @@ class LayerKV:
 class KVCache:
     """Keys and values of every attention layer for `batch` sequences of up to `max_len` positions."""
 
-    def __init__(self, layers: list[tuple[int, int]], max_len: int, batch: int = 1, dtype=None, device=None):
-        """layers: (kv_heads, head_dim) of each attention layer in order."""
+    def __init__(self, layers: list[tuple[int, ...]], max_len: int, batch: int = 1, dtype=None, device=None):
+        """layers: (kv_heads, head_dim) or (kv_heads, head_dim, value_dim) of each attention layer in order."""
         if max_len < 1 or batch < 1:
             raise ValueError(f"a KV cache needs max_len >= 1 and batch >= 1, not max_len {max_len}, batch {batch}")
         self.max_len, self.batch, self.dtype, self.device = max_len, batch, dtype, device
         self.offset = 0
         self.causal = True  # a plain bool set by begin(), not offset == 0 computed where compiled code sees it
-        self.layers = [LayerKV(self, heads, head_dim) for heads, head_dim in layers]
+        self.layers = [LayerKV(self, *shape) for shape in layers]
         if dtype is not None:
             for layer in self.layers:
-                shape = (batch, layer.kv_heads, max_len, layer.head_dim)
-                layer.k, layer.v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
+                layer.k, layer.v = (
+                    torch.empty((batch, layer.kv_heads, max_len, d), dtype=dtype, device=device)
+                    for d in (layer.head_dim, layer.value_dim)
+                )
 
     @classmethod
     def for_model(cls, model: nn.Module, max_len: int, batch: int = 1, dtype=None) -> KVCache:
@@ -81,7 +84,9 @@ class KVCache:
             raise ValueError(
                 f"a KV cache of {max_len} positions is longer than the model's max_seq_len = {model.args.max_seq_len}"
             )
-        layers = [(block.attention.n_kv_heads, block.attention.head_dim) for block in model.layers]
+        layers = [
+            (a.n_kv_heads, a.head_dim, getattr(a, "value_dim", a.head_dim)) for a in (b.attention for b in model.layers)
+        ]
         return cls(layers, max_len, batch, dtype, model.rope.device)
 
     def allocate(self, like: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite.models.feed_forward import FeedForward
+
 
 class _SumGradOverGroup(torch.autograd.Function):
     """Identity; the gradient is summed over the group (a weight every rank applies to its own tokens)."""
@@ -41,6 +43,11 @@ class _SumGradOverGroup(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+def sum_grad_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """x, whose gradient is summed over the group's ranks (a tensor each rank uses for its own part of the work)."""
+    return _SumGradOverGroup.apply(x, group)
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -161,13 +168,31 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The Mixture-of-Experts feed-forward of one block (see the module doc): x (batch, seq, dim) -> same shape."""
+    """The Mixture-of-Experts feed-forward of one block (see the module doc): x (batch, seq, dim) -> same shape.
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, hidden: int, norm_topk_prob: bool):
+    score_func softmax or sigmoid; n_group > 1: the top_k are chosen among the experts of the topk_group groups
+    whose two best scores (routing bias included) sum highest; the chosen weights are multiplied by scaling;
+    shared_hidden > 0: a SwiGLU of that size (the shared experts) adds its output for every token."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        hidden: int,
+        norm_topk_prob: bool,
+        score_func: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        scaling: float = 1.0,
+        shared_hidden: int = 0,
+    ):
         super().__init__()
         self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
+        self.score_func, self.n_group, self.topk_group, self.scaling = score_func, n_group, topk_group, scaling
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, hidden)
+        self.shared = FeedForward(dim, shared_hidden) if shared_hidden else None
         # aux_free's routing bias: state of the run, checkpointed with the model (zeros for the other modes)
         self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
         # top-k slots each expert got in this optimizer step on this rank (update_load_balance reads and clears it)
@@ -187,12 +212,21 @@ class MoE(nn.Module):
         weight = self.router.weight
         if self.tp_group is not None:
             weight = _SumGradOverGroup.apply(weight, self.tp_group)
-        probs = F.linear(flat.float(), weight.float()).softmax(dim=-1)
-        # the routing bias (zeros unless aux_free moved it) chooses the experts, also after training; it never weights
-        chosen = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices  # (tokens, top_k)
+        logits = F.linear(flat.float(), weight.float())
+        probs = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        # the routing bias (zeros unless aux_free moved it, or a DeepSeek-V3 folder's e_score_correction_bias)
+        # chooses the experts, also after training; it never weights them
+        choice = probs + self.expert_bias
+        if self.n_group > 1:
+            choice = self._within_best_groups(choice)
+        chosen = choice.topk(self.top_k, dim=-1).indices  # (tokens, top_k)
         weights = probs.gather(1, chosen)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0))
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
+        if self.score_func == "sigmoid":  # aux_loss's probabilities: the scores normalised per token (DeepSeek-V3)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
         slots = chosen.flatten()
         counts = torch.bincount(slots, minlength=self.n_experts)
         self.last_counts = counts
@@ -202,7 +236,29 @@ class MoE(nn.Module):
         token = order // self.top_k
         out = self.experts(flat[token], counts)
         out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(flat).index_add_(0, token, out.to(flat.dtype)).view(b, s, d)
+        routed = torch.zeros_like(flat).index_add_(0, token, out.to(flat.dtype))
+        if self.shared is not None:
+            routed = routed + self._shared(flat)
+        return routed.view(b, s, d)
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The choice scores with every expert outside the topk_group best groups at -inf (a group's score: the sum
+        of its two best experts')."""
+        tokens = choice.shape[0]
+        grouped = choice.view(tokens, self.n_group, -1)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (tokens, n_group)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_group, dim=-1).indices, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared experts on these tokens; under tensor parallelism (each tp rank its own tokens) their weights'
+        gradients are summed over the tp ranks, as the router's."""
+        if self.tp_group is None:
+            return self.shared(flat)
+        w1, w3, w2 = (
+            _SumGradOverGroup.apply(m.weight, self.tp_group) for m in (self.shared.w1, self.shared.w3, self.shared.w2)
+        )
+        return F.linear(F.silu(F.linear(flat, w1)) * F.linear(flat, w3), w2)
 
     def _sequence_stats(self, probs, chosen, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(P, f) per sequence of this layer, each (batch, experts): the mean probability of each expert and the

@@ -73,11 +73,15 @@ def rope_table(
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate feature pairs of x (batch, seq, heads, head_dim): rope is the table (positions 0..seq-1 used)
-    or per-token rotations (batch, seq, head_dim // 2)."""
+    or per-token rotations (batch, seq, rotated // 2). A table narrower than head_dim / 2 rotates the first
+    features of each head and passes the rest (partial rotary: GLM-4.5)."""
     b, s = x.shape[:2]
     rope = rope[:s].view(1, s, 1, -1) if rope.dim() == 2 else rope.view(b, s, 1, -1)
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * rope).flatten(3).type_as(x)
+    rotated = 2 * rope.shape[-1]
+    part = x if rotated == x.shape[-1] else x[..., :rotated]
+    xc = torch.view_as_complex(part.float().reshape(*part.shape[:-1], -1, 2))
+    out = torch.view_as_real(xc * rope).flatten(3).type_as(x)
+    return out if rotated == x.shape[-1] else torch.cat([out, x[..., rotated:]], dim=-1)
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -139,20 +143,26 @@ def cached_attention_mask(offset: int, n: int, device=None) -> torch.Tensor | No
     return (keys[None, :] <= queries[:, None])[None, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = True) -> torch.Tensor:
-    """Attention of (batch, heads, seq, head_dim) q over k, v (fewer KV heads: grouped-query). mask None:
-    causal, or over every key when causal is False (one new query of a KV cache); else block-causal or
-    cache-offset causal with a mask from block_causal_mask or cached_attention_mask."""
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) q over k, v (fewer KV heads: grouped-query; v may have another
+    head_dim). mask None: causal, or over every key when causal is False (one new query of a KV cache); else
+    block-causal or cache-offset causal with a mask from block_causal_mask or cached_attention_mask. scale: the
+    logits' (None: 1 / sqrt(head_dim))."""
+    value_dim = v.shape[-1]
+    if value_dim != q.shape[-1]:  # flash kernels take one head_dim: v is zero-padded to it, its output cut back
+        return attend(q, k, F.pad(v, (0, q.shape[-1] - value_dim)), mask, causal, scale)[..., :value_dim]
     gqa = k.shape[1] != q.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, scale=scale)
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
     with warnings.catch_warnings():  # eager FlexAttention off the GPU is for checking, not speed: say nothing
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        return _eager_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _eager_flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 def _eager_flex():

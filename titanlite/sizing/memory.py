@@ -124,18 +124,19 @@ def block_bytes(
     """Per block (arguments as activation_bytes'): the bytes it keeps for backward, and the bytes its backward
     rebuilds on top of them (a checkpointed block's whole forward; 0 for the others; under expert parallelism also
     the token exchange, and the experts' share grows by EP_IMBALANCE)."""
-    per_block = dict(args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms, cp))
-    transient = 0.0
-    if args.moe and ep > 1:
-        for mode, experts in args.expert_activation_bytes(act_bytes, tp).items():
-            per_block[mode] += experts * (EP_IMBALANCE - 1)
-        transient = args.exchange_bytes(act_bytes, tp)
-    op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
-    kept = op if op_sac else per_block["full"]
-    blocks = range(args.n_layers)
-    return [int(tokens * (kept if i in wrapped else per_block["none"])) for i in blocks], [
-        int(tokens * ((per_block["none"] if i in wrapped else 0) + transient)) for i in blocks
-    ]
+    kept, rebuilt = [], []
+    for i in range(args.n_layers):
+        per_block = dict(args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms, cp, i))
+        transient = 0.0
+        if args.is_moe_layer(i) and ep > 1:
+            for mode, experts in args.expert_activation_bytes(act_bytes, tp).items():
+                per_block[mode] += experts * (EP_IMBALANCE - 1)
+            transient = args.exchange_bytes(act_bytes, tp)
+        op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
+        wrapped_kept = op if op_sac else per_block["full"]
+        kept.append(int(tokens * (wrapped_kept if i in wrapped else per_block["none"])))
+        rebuilt.append(int(tokens * ((per_block["none"] if i in wrapped else 0) + transient)))
+    return kept, rebuilt
 
 
 @dataclass
