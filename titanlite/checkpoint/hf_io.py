@@ -9,6 +9,7 @@ of a saved checkpoint: one process, one output file's tensors in memory at a tim
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -127,10 +128,14 @@ def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> None:
     """ConfigError naming every missing, unexpected or mis-shaped tensor of a folder for this model shape."""
     found, expected = read_hf_tensors(folder), hf_shapes(args)
     missing = [n for n in expected if n not in found]
+    mtp = FAMILIES[args.family].hf.mtp_keys  # multi-token-prediction layers after the model's: skipped
     unexpected = [
         n
         for n in found
-        if n not in expected and not n.endswith(IGNORED_HF_TENSORS) and not (n == OUTPUT and args.tie_embeddings)
+        if n not in expected
+        and not n.endswith(IGNORED_HF_TENSORS)
+        and not (n == OUTPUT and args.tie_embeddings)
+        and not (mtp and _layer_index(n) >= args.n_layers)
     ]
     wrong = [
         f"{n} has shape {found[n][1]} in {found[n][0]} but the model needs {expected[n]}"
@@ -149,6 +154,12 @@ def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> None:
             f"{args.qk_norm}, q/k/v biases {args.qkv_bias}): {' | '.join(problems)}; are these tensors of "
             f"another family than its config.json says?"
         )
+
+
+def _layer_index(hf_name: str) -> int:
+    """The block a HF tensor belongs to (model.layers.<i>.), -1 for the others."""
+    parts = hf_name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
 
 
 def _whole_rows(t: DTensor) -> list:
@@ -232,7 +243,10 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     for name, (loaded, heads) in permuted.items():
         target = sd[name]
         value = _permute_rows(
-            loaded, heads, half_split_to_interleaved, target.placements if isinstance(target, DTensor) else None
+            loaded,
+            heads,
+            functools.partial(half_split_to_interleaved, rotary=args.rope_dim),
+            target.placements if isinstance(target, DTensor) else None,
         )
         (target.to_local() if isinstance(target, DTensor) else target).copy_(
             value.to_local() if isinstance(value, DTensor) else value
@@ -302,11 +316,13 @@ def save_hf_sharded(
     args = model.args
     state = {}
     model_state = get_model_state_dict(model)
-    warn_dropped_routing_bias({n: t for n, t in model_state.items() if is_routing_bias(n)}, out)
+    warn_dropped_routing_bias(
+        {n: t for n, t in model_state.items() if is_routing_bias(n) and not stored_in_hf(n, args)}, out
+    )
     for name, t in model_state.items():
         if not stored_in_hf(name, args):
             continue
-        t = t.detach().to(dtype)
+        t = t.detach().to(torch.float32 if is_routing_bias(name) else dtype)  # fp32 as the HF classes keep it
         if is_grouped_experts(name):  # each rank writes the experts it holds, one HF tensor each
             first, count = local_rows(t)
             local = t.to_local() if isinstance(t, DTensor) else t
@@ -314,7 +330,8 @@ def save_hf_sharded(
                 state[hf] = local[j].T.contiguous()
             continue
         heads = rope_heads(name, args)
-        state[to_hf_name(name, args)] = t if heads is None else _permute_rows(t, heads, interleaved_to_half_split)
+        to_hf = functools.partial(interleaved_to_half_split, rotary=args.rope_dim)
+        state[to_hf_name(name, args)] = t if heads is None else _permute_rows(t, heads, to_hf)
     mapping = file_mapping(args, dtype.itemsize, max_file_bytes)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sharded = out / "sharded"
@@ -371,7 +388,9 @@ def export_hf(
             f"{checkpoint} holds a tensor that no HF architecture of titanlite has ({e.args[0]})"
         ) from None
     biases = {
-        prefix + n: torch.empty(md.size, dtype=md.properties.dtype) for n, md in saved.items() if is_routing_bias(n)
+        prefix + n: torch.empty(md.size, dtype=md.properties.dtype)
+        for n, md in saved.items()
+        if is_routing_bias(n) and not stored_in_hf(n, args)
     }
     if biases:
         read_in_this_process(biases, checkpoint)
@@ -400,9 +419,9 @@ def export_hf(
         for hf in group:
             name, expert = names[hf]
             t = dest[prefix + name] if expert is None else dest[prefix + name][expert].T
-            t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            t = t.to(dtype) if dtype is not None and t.is_floating_point() and not is_routing_bias(name) else t
             heads = rope_heads(name, args)
-            tensors[hf] = (interleaved_to_half_split(t, heads) if heads else t).contiguous()
+            tensors[hf] = (interleaved_to_half_split(t, heads, args.rope_dim) if heads else t).contiguous()
         file_name = f"model-{index:05d}-of-{files:05d}.safetensors"
         st.torch.save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         for hf, t in tensors.items():

@@ -21,6 +21,16 @@ def no_extra_checks(config: dict, file: str) -> None:
     """A family whose config.json holds nothing beyond the shared fields to refuse."""
 
 
+def no_extra_args(config: dict, file: str) -> dict:
+    """A family whose config.json holds no ModelArgs fields beyond the shared ones."""
+    return {}
+
+
+def no_extra_keys(args: ModelArgs) -> dict:
+    """A family whose export writes no config.json keys beyond the shared ones."""
+    return {}
+
+
 @dataclass(frozen=True)
 class HFExperts:
     """How a HF Mixture-of-Experts architecture says how many experts it has and names its router and experts."""
@@ -30,6 +40,10 @@ class HFExperts:
     norm_topk_key: str | None  # config.json key of the top-k renormalisation; None: always renormalised
     router: str  # the router's HF name inside a layer ("mlp.gate.weight")
     weights: dict[str, str]  # titanlite's grouped weight (w1, w3, w2) -> the HF name of one expert's, with {e}
+    norm_topk_default: bool = False  # the renormalisation when config.json leaves norm_topk_key out
+    # the HF name of the routing bias that chooses experts ("mlp.gate.e_score_correction_bias"); None: the class has
+    # none (an aux_free bias is then left out of exports)
+    routing_bias: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,12 @@ class HFArchitecture:
     experts: HFExperts | None = None  # a Mixture-of-Experts architecture's expert names and keys
     # max_position_embeddings -> the context pretraining used (YaRN's original context), where a release's differ
     pretraining_contexts: dict = field(default_factory=dict)
+    attention_bias_is_qkv: bool = False  # config.json's attention_bias switches q/k/v biases (GLM-4.5), not refused
+    extra_args: Callable[[dict, str], dict] = no_extra_args  # ModelArgs fields of the family's own config.json keys
+    extra_keys: Callable[[ModelArgs], dict] = no_extra_keys  # config.json keys an export writes for those fields
+    # config.json keys counting multi-token-prediction layers stored after the model's (their weights are skipped on
+    # import, as transformers' class skips them)
+    mtp_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

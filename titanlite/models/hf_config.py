@@ -178,7 +178,8 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
     def flag(key):
         return _field(config, key, file, False, lambda v: isinstance(v, bool), "true or false")
 
-    for key in ("attention_bias", "mlp_bias"):
+    qkv_bias = arch.qkv_bias or (arch.attention_bias_is_qkv and flag("attention_bias"))
+    for key in ("mlp_bias",) if arch.attention_bias_is_qkv else ("attention_bias", "mlp_bias"):
         if flag(key):
             biases = " (q/k/v biases only, as Qwen2)" if arch.qkv_bias else ""
             raise ConfigError(
@@ -220,10 +221,14 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
             n_experts=n_experts,
             top_k=top_k,
             moe_hidden_dim=positive_int(x.hidden_key),
-            norm_topk_prob=flag(x.norm_topk_key) if x.norm_topk_key else True,
+            norm_topk_prob=_field(
+                config, x.norm_topk_key, file, x.norm_topk_default, lambda v: isinstance(v, bool), "true or false"
+            )
+            if x.norm_topk_key
+            else True,
             router_aux_loss_coef=float(coef),
         )
-    return ModelArgs(
+    fields = dict(
         family=family,
         dim=dim,
         n_layers=positive_int("num_hidden_layers"),
@@ -233,7 +238,7 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
         vocab_size=positive_int("vocab_size"),
         intermediate_size=positive_int("intermediate_size"),
         qk_norm=arch.qk_norm,
-        qkv_bias=arch.qkv_bias,
+        qkv_bias=qkv_bias,
         norm_eps=float(_field(config, "rms_norm_eps", file, 1e-6, _is_positive_number, _POSITIVE_NUMBER)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
@@ -243,6 +248,8 @@ def args_from_config(config: dict, source: str, arch: HFArchitecture, family: st
         tie_embeddings=flag("tie_word_embeddings"),
         **moe,
     )
+    fields.update(arch.extra_args(config, file))  # the family's own keys (they may switch a shared field)
+    return ModelArgs(**fields)
 
 
 def _expert_count(config: dict, file: str, keys: tuple[str, ...]) -> int:
@@ -260,6 +267,22 @@ def _expert_count(config: dict, file: str, keys: tuple[str, ...]) -> int:
     return next(iter(given.values()))
 
 
+ROUTING_AND_MLA_FIELDS = (
+    "score_func",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "n_shared_experts",
+    "dense_layers",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "partial_rotary_factor",
+)
+
+
 def mismatches(args: ModelArgs, hf: ModelArgs) -> list[str]:
     """'field: flavor value vs config.json key value' for every field the weights or the math depend on."""
     out = [f"family {args.family} vs {hf.family}"] if args.family != hf.family else []
@@ -272,7 +295,7 @@ def mismatches(args: ModelArgs, hf: ModelArgs) -> list[str]:
         out.append(f"rope_theta {args.rope_theta} vs rope_theta {hf.rope_theta}")
     if args.rope_scaling != hf.rope_scaling:
         out.append(f"rope_scaling {args.rope_scaling} vs rope_scaling {hf.rope_scaling}")
-    for field in ("n_experts", "top_k", "moe_hidden_dim", "norm_topk_prob"):
+    for field in ("n_experts", "top_k", "moe_hidden_dim", "norm_topk_prob", *ROUTING_AND_MLA_FIELDS):
         if getattr(args, field) != getattr(hf, field):
             out.append(f"{field} {getattr(args, field)} vs {getattr(hf, field)}")
     for field in ("qk_norm", "qkv_bias"):
@@ -299,7 +322,7 @@ def config_from_args(args: ModelArgs, arch: HFArchitecture, dtype: str, bos_id: 
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": max(args.context_length, args.max_seq_len),
         "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
+        "attention_bias": args.qkv_bias and arch.attention_bias_is_qkv,
         "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -321,7 +344,10 @@ def config_from_args(args: ModelArgs, arch: HFArchitecture, dtype: str, bos_id: 
         )
         if x.norm_topk_key:
             config[x.norm_topk_key] = args.norm_topk_prob
+    config.update(arch.extra_keys(args))
     config.update(rope_to_config(args))  # both spellings: rope_scaling (transformers 4, vLLM), rope_parameters (5)
+    if args.partial_rotary_factor != 1.0:  # transformers 5 reads it from rope_parameters
+        config["rope_parameters"]["partial_rotary_factor"] = args.partial_rotary_factor
     return config
 
 

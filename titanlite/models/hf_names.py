@@ -30,6 +30,15 @@ _LAYER_NAMES = {
     "attention.wv.bias": "self_attn.v_proj.bias",
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention.q_a_proj.weight": "self_attn.q_a_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.q_b_proj.weight": "self_attn.q_b_proj.weight",
+    "attention.kv_a_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.kv_b_proj.weight": "self_attn.kv_b_proj.weight",
+    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -51,6 +60,8 @@ def _expert_names(args: ModelArgs) -> dict[str, str]:
         return {}
     names = {"feed_forward.router.weight": experts.router}
     names.update({f"feed_forward.experts.{w}": hf for w, hf in experts.weights.items()})
+    if experts.routing_bias:
+        names["feed_forward.expert_bias"] = experts.routing_bias
     return names
 
 
@@ -66,8 +77,17 @@ def to_hf_name(name: str, args: ModelArgs | None = None) -> str:
 
 
 def is_routing_bias(name: str) -> bool:
-    """Whether a state-dict entry is an MoE block's routing bias (a buffer no HF architecture has)."""
+    """Whether a state-dict entry is an MoE block's routing bias (a buffer; stored in HF folders of the
+    architectures that have one: DeepSeek-V3's and GLM-4.5's e_score_correction_bias)."""
     return name.endswith("feed_forward.expert_bias")
+
+
+def routing_bias_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The routing biases a HF folder of this shape stores, by state-dict name (none when its class has none)."""
+    experts = FAMILIES[args.family].hf.experts if args.moe else None
+    if experts is None or not experts.routing_bias:
+        return {}
+    return {f"layers.{i}.feed_forward.expert_bias": (args.n_experts,) for i in args.moe_layers}
 
 
 def is_grouped_experts(name: str) -> bool:
@@ -85,7 +105,7 @@ def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor a HF checkpoint of this shape holds, with its shape (no lm_head when tied; one tensor per
     expert)."""
     out = {}
-    for name, shape in args.parameter_shapes().items():
+    for name, shape in (args.parameter_shapes() | routing_bias_shapes(args)).items():
         if name in args.tied_copies():
             continue
         if is_grouped_experts(name):
@@ -96,19 +116,22 @@ def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def stored_in_hf(name: str, args: ModelArgs) -> bool:
-    """Whether a HF folder stores this state-dict entry (a tied output projection is not stored, nor a buffer such
-    as an MoE's routing bias)."""
+    """Whether a HF folder stores this state-dict entry (a tied output projection is not stored, nor a buffer other
+    than the routing bias of an architecture that has one)."""
     return name not in args.tied_copies() and name in _parameter_names(args)
 
 
 @functools.lru_cache(maxsize=8)
 def _parameter_names(args: ModelArgs) -> frozenset[str]:
-    return frozenset(args.parameter_shapes())
+    return frozenset(args.parameter_shapes() | routing_bias_shapes(args))
 
 
 def rope_heads(name: str, args: ModelArgs) -> int | None:
     """Heads whose rows a q/k tensor holds (its rows are permuted between layouts; a q/k norm weight is one
-    head); None for other tensors."""
+    head); None for other tensors, and for multi-head latent attention (its published layout rotates adjacent
+    pairs, as titanlite: transformers' rope_interleave)."""
+    if args.mla:
+        return None
     if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return args.n_heads
     if name.endswith(("attention.wk.weight", "attention.wk.bias")):
@@ -118,13 +141,22 @@ def rope_heads(name: str, args: ModelArgs) -> int | None:
     return None
 
 
-def interleaved_to_half_split(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of a q/k weight (heads * head_dim, ...) from titanlite's layout to HF's; any number of columns."""
-    rows, rest = w.shape[0], w.shape[1:]
-    return w.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+def interleaved_to_half_split(w: torch.Tensor, heads: int, rotary: int | None = None) -> torch.Tensor:
+    """Rows of a q/k weight (heads * head_dim, ...) from titanlite's layout to HF's; any number of columns. rotary:
+    the rows of each head that RoPE rotates, its first ones (partial rotary; None: all)."""
+    return _permute_rotated(w, heads, rotary, to_hf=True)
 
 
-def half_split_to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
+def half_split_to_interleaved(w: torch.Tensor, heads: int, rotary: int | None = None) -> torch.Tensor:
     """Rows of a q/k weight from HF's layout to titanlite's."""
+    return _permute_rotated(w, heads, rotary, to_hf=False)
+
+
+def _permute_rotated(w: torch.Tensor, heads: int, rotary: int | None, to_hf: bool) -> torch.Tensor:
     rows, rest = w.shape[0], w.shape[1:]
-    return w.reshape(heads, 2, rows // heads // 2, *rest).transpose(1, 2).reshape(rows, *rest)
+    per_head = rows // heads
+    rot = min(rotary or per_head, per_head)
+    w = w.reshape(heads, per_head, *rest)
+    pairs = (heads, rot // 2, 2) if to_hf else (heads, 2, rot // 2)
+    part = w[:, :rot].reshape(*pairs, *rest).transpose(1, 2).reshape(heads, rot, *rest)
+    return (part if rot == per_head else torch.cat([part, w[:, rot:]], dim=1)).reshape(rows, *rest)

@@ -106,6 +106,7 @@ def rope_from_config(config: dict, file: str, context: int) -> tuple[float, Rope
             beta_slow=float(number("beta_slow", 1.0)),
             attention_factor=float(attention),
             truncate=truncate,
+            mscale_all_dim=float(mscale_all or 0.0),
         )
     low = float(number("low_freq_factor", 1.0))
     high = float(
@@ -136,6 +137,8 @@ def rope_to_config(args: ModelArgs) -> dict:
             "attention_factor": s.attention_factor,
             "truncate": s.truncate,
         }
+        if s.mscale_all_dim:  # DeepSeek's: transformers scales the MLA softmax by it
+            rope["mscale_all_dim"] = s.mscale_all_dim
     elif s is not None:
         rope = {
             "rope_type": "llama3",

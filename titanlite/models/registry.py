@@ -11,7 +11,7 @@ import importlib
 import pathlib
 
 from titanlite.errors import ConfigError
-from titanlite.models import llama3, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from titanlite.models import deepseek_v3, glm4_moe, llama3, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from titanlite.models.args import ModelArgs, RopeScaling
 from titanlite.models.family import Family
 from titanlite.models.hf_config import (
@@ -28,7 +28,17 @@ HF_FLAVOR = "hf"  # the shape comes from a HuggingFace folder's config.json
 
 # One line per family: its folder's FAMILY.
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, qwen2.FAMILY, mistral.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)
+    f.name: f
+    for f in (
+        llama3.FAMILY,
+        qwen3.FAMILY,
+        qwen2.FAMILY,
+        mistral.FAMILY,
+        qwen3_moe.FAMILY,
+        mixtral.FAMILY,
+        deepseek_v3.FAMILY,
+        glm4_moe.FAMILY,
+    )
 }
 
 

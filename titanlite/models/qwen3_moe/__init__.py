@@ -1,5 +1,6 @@
 """Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3's attention (per-head q/k RMSNorm, head_dim 128) with a Mixture of Experts in
-every block (128 experts, top-8, renormalised top-k weights); the Qwen3MoeForCausalLM architecture."""
+every block (128 experts, top-8, renormalised top-k weights; a folder may make some blocks dense: mlp_only_layers,
+decoder_sparse_step); the Qwen3MoeForCausalLM architecture."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
+from titanlite.models.config_fields import POSITIVE_INT, field, is_int
 from titanlite.models.family import Family, HFArchitecture, HFExperts
 from titanlite.models.sliding_window import refuse_qwen_sliding_window
 
@@ -42,21 +44,34 @@ QWEN3_MOE_FLAVORS: dict[str, ModelArgs] = {
 
 
 def refuse_unsupported(config: dict, file: str) -> None:
-    """What Qwen3MoeForCausalLM can say that titanlite does not implement: dense blocks among the MoE ones
-    (decoder_sparse_step other than 1, mlp_only_layers), a sliding window."""
-    step = config.get("decoder_sparse_step", 1)
-    if step != 1:
-        raise ConfigError(
-            f"{file}: decoder_sparse_step = {json.dumps(step)[:40]}; titanlite puts the experts in every block: "
-            f"expected 1"
-        )
-    dense = config.get("mlp_only_layers") or []
-    if dense:
-        raise ConfigError(
-            f"{file}: mlp_only_layers = {json.dumps(dense)[:60]}; titanlite puts the experts in every block (no dense "
-            f"layers among them): expected []"
-        )
+    """What Qwen3MoeForCausalLM can say that titanlite does not implement: a sliding window."""
     refuse_qwen_sliding_window(config, file)
+
+
+def dense_layer_args(config: dict, file: str) -> dict:
+    """The dense blocks among the MoE ones: those mlp_only_layers names, and with decoder_sparse_step = n every block
+    but each n-th (transformers' rule: block i has experts when i + 1 is a multiple of n and i is not listed)."""
+    step = field(config, "decoder_sparse_step", file, 1, lambda v: is_int(v) and v > 0, POSITIVE_INT)
+    layers = config.get("num_hidden_layers")
+    dense = config.get("mlp_only_layers") or []
+    valid = is_int(layers) and isinstance(dense, list) and all(is_int(i) and 0 <= i < layers for i in dense)
+    if not valid:
+        raise ConfigError(
+            f"{file}: mlp_only_layers = {json.dumps(dense)[:60]} is not valid; expected a list of block indices "
+            f"from 0 to num_hidden_layers - 1 = {layers - 1 if is_int(layers) else '?'}"
+        )
+    every = set(dense) | {i for i in range(layers) if (i + 1) % step}
+    if len(every) == layers:
+        raise ConfigError(
+            f"{file}: mlp_only_layers = {json.dumps(dense)[:60]} with decoder_sparse_step = {step} leave no block "
+            f"with experts; a model without experts is a Qwen3ForCausalLM (model_type 'qwen3')"
+        )
+    return {"dense_layers": tuple(sorted(every))}
+
+
+def dense_layer_keys(args: ModelArgs) -> dict:
+    """config.json's keys for these arguments' dense blocks (each one listed; decoder_sparse_step 1)."""
+    return {"decoder_sparse_step": 1, "mlp_only_layers": list(args.dense_layers)}
 
 
 FAMILY = Family(
@@ -68,12 +83,12 @@ FAMILY = Family(
         model_type="qwen3_moe",
         qk_norm=True,  # no default_head_dim: Qwen3MoeConfig has no head_dim field (hidden_size / heads without one)
         check=refuse_unsupported,
+        extra_args=dense_layer_args,
+        extra_keys=dense_layer_keys,
         pretraining_contexts={40960: 32768},  # Qwen's YaRN recipe: original_max_position_embeddings 32768
         export_extras={
             "use_sliding_window": False,
             "sliding_window": None,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
             "output_router_logits": False,
         },
         experts=HFExperts(
