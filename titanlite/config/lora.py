@@ -6,8 +6,21 @@ from dataclasses import dataclass
 
 from titanlite.config.fields import POSITIVE, fraction, one_of, positive, setting
 
-# The projections an adapter can sit on, by the role names HF and peft use in every family.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter can sit on, by the role names HF and peft use in every family (the multi-head latent
+# attention of DeepSeek-V3 has q_a_proj, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_b_proj and o_proj).
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+)
 BASE_DTYPES = ("float32", "bfloat16")
 
 

@@ -30,8 +30,25 @@ ROLE_MODULES = {
     "gate_proj": "feed_forward.w1",
     "up_proj": "feed_forward.w3",
     "down_proj": "feed_forward.w2",
+    "q_a_proj": "attention.q_a_proj",  # multi-head latent attention (models/mla.py)
+    "q_b_proj": "attention.q_b_proj",
+    "kv_a_proj_with_mqa": "attention.kv_a_proj",
+    "kv_b_proj": "attention.kv_b_proj",
 }
 MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
+LATENT_ROLES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def model_roles(args: ModelArgs) -> list[str]:
+    """The roles this model's blocks have a projection for (an MoE's experts are not dense projections)."""
+    if args.mla:
+        q = ["q_a_proj", "q_b_proj"] if args.q_lora_rank else ["q_proj"]
+        attention = [*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    else:
+        attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    return [r for r in ROLE_MODULES if r in attention or (r in MLP_ROLES and not args.moe)]
+
+
 ADAPTER_A, ADAPTER_B = "lora_a", "lora_b"
 
 
@@ -43,12 +60,19 @@ def is_adapter(name: str) -> bool:
 def resolve_targets(targets: list[str], args: ModelArgs) -> list[str]:
     """The roles that get adapters: ['all'] is every dense projection of the model (an MoE's experts are not dense
     projections: its attention ones); ValueError for an MLP role of an MoE model."""
+    roles = model_roles(args)
     if targets == ["all"]:
-        return [r for r in ROLE_MODULES if not (args.moe and r in MLP_ROLES)]
+        return roles
     if args.moe and (mlp := [r for r in targets if r in MLP_ROLES]):
         raise ValueError(
             f"{', '.join(mlp)}: the {args.family} model's feed-forward is a Mixture of Experts, whose experts get no "
-            f"adapters; valid targets for it: {', '.join(r for r in ROLE_MODULES if r not in MLP_ROLES)} (or 'all')"
+            f"adapters; valid targets for it: {', '.join(roles)} (or 'all')"
+        )
+    if other := [r for r in targets if r not in roles]:
+        attention = "multi-head latent attention" if args.mla else "attention"
+        raise ValueError(
+            f"{', '.join(other)}: the {args.family} model's {attention} has no such projection; valid targets for "
+            f"it: {', '.join(roles)} (or 'all')"
         )
     return list(targets)
 
@@ -173,7 +197,9 @@ def to_peft(adapters: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
     out = {}
     for name, t in adapters.items():
         heads = _rope_rows(name, args)
-        out[to_peft_name(name, args)] = (interleaved_to_half_split(t, heads) if heads else t).contiguous()
+        out[to_peft_name(name, args)] = (
+            interleaved_to_half_split(t, heads, args.rope_dim) if heads else t
+        ).contiguous()
     return out
 
 
@@ -190,7 +216,7 @@ def from_peft(tensors: dict[str, torch.Tensor], names: list[str], args: ModelArg
     for key, t in tensors.items():
         name = by_peft[key.replace(".default.", ".")]
         heads = _rope_rows(name, args)
-        out[name] = half_split_to_interleaved(t, heads) if heads else t
+        out[name] = half_split_to_interleaved(t, heads, args.rope_dim) if heads else t
     return out
 
 
