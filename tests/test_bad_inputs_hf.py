@@ -172,6 +172,11 @@ def export(checkpoint, output, *extra):
 INT = "expected a positive integer"
 QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                  moe_intermediate_size=32)  # fmt: skip
+DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", n_routed_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2, kv_lora_rank=32,
+                   q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+GLM4_MOE = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32)  # fmt: skip
 MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 CASES = [
     # HF config.json: missing, mistyped, foreign fields; not JSON; not an object
@@ -242,18 +247,24 @@ CASES = [
          (HF_CONFIG, "model_type 'gemma' ['GemmaForCausalLM'], which titanlite does not implement",
           "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"),
          hf(fields(architectures=["GemmaForCausalLM"], model_type="gemma"))),
-    Case("hf-deepseek-v3-unsupported", "hf", "generate", generate(HF),
-         (HF_CONFIG, "model_type 'deepseek_v3' ['DeepseekV3ForCausalLM'], which titanlite does not implement",
-          "Qwen3MoeForCausalLM", "MixtralForCausalLM"),
-         hf(fields(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"))),
+    Case("hf-deepseek-v3-n-group-not-dividing-the-experts", "hf", "generate", generate(HF),
+         (HF_CONFIG, "n_group = 3 is not valid", "a divisor of the 8 experts"),
+         hf(fields(**DEEPSEEK_V3 | {"n_group": 3}))),
+    Case("hf-deepseek-v3-topk-group-above-n-group", "hf", "config", check_hf("--model.name", "deepseek_v3"),
+         (HF_CONFIG, "topk_group = 5 is not valid", "at most n_group = 4"),
+         hf(fields(**DEEPSEEK_V3 | {"topk_group": 5}))),
+    Case("hf-deepseek-v3-fp8-weights", "hf", "config", check_hf("--model.name", "deepseek_v3"),
+         (HF_CONFIG, "quantization_config", "fp8_cast_bf16.py"),
+         hf(fields(**DEEPSEEK_V3, quantization_config={"quant_method": "fp8"}))),
+    Case("hf-glm4-moe-odd-partial-rotary", "hf", "config", check_hf("--model.name", "glm4_moe"),
+         (HF_CONFIG, "partial_rotary_factor = 0.2", "= 3 features", "an even number"),
+         hf(fields(**GLM4_MOE, partial_rotary_factor=0.2))),
     Case("hf-gpt-oss-unsupported", "hf", "config", check_hf(),
          (HF_CONFIG, "model_type 'gpt_oss' ['GptOssForCausalLM'], which titanlite does not implement"),
          hf(fields(architectures=["GptOssForCausalLM"], model_type="gpt_oss"))),
-    Case("hf-qwen3-moe-dense-layers-between", "hf", "config", check_hf("--model.name", "qwen3_moe"),
-         (HF_CONFIG, "decoder_sparse_step = 2", "expected 1"),
-         hf(fields(**QWEN3_MOE, decoder_sparse_step=2))),
-    Case("hf-qwen3-moe-mlp-only-layers", "hf", "generate", generate(HF),
-         (HF_CONFIG, "mlp_only_layers = [0]", "expected []"), hf(fields(**QWEN3_MOE, mlp_only_layers=[0]))),
+    Case("hf-qwen3-moe-mlp-only-layer-out-of-range", "hf", "generate", generate(HF),
+         (HF_CONFIG, "mlp_only_layers = [7]", "from 0 to num_hidden_layers - 1"),
+         hf(fields(**QWEN3_MOE, mlp_only_layers=[7]))),
     Case("hf-qwen3-moe-top-k-above-experts", "hf", "config", check_hf("--model.name", "qwen3_moe"),
          (HF_CONFIG, "num_experts_per_tok = 8 is more than the 4 experts"),
          hf(fields(**QWEN3_MOE | {"num_experts_per_tok": 8}))),

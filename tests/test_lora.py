@@ -9,7 +9,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 VOCAB = 300
-FAMILIES = ["llama3", "qwen3", "qwen2", "mistral", "qwen3_moe"]
+FAMILIES = ["llama3", "qwen3", "qwen2", "mistral", "qwen3_moe", "deepseek_v3", "glm4_moe"]
+# adapted projections per block: attention (q_a, q_b, kv_a, kv_b, o for latent attention) and a dense FFN
+ROLES = {"qwen3_moe": 4, "deepseek_v3": 5, "glm4_moe": 4}
 
 
 def _lora_model(family, *extra, seed=0):
@@ -43,7 +45,7 @@ def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family
     with torch.no_grad():
         ours = model(x)
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
-    assert len(adapters) == 2 * (4 if family == "qwen3_moe" else 7) * model.args.n_layers
+    assert len(adapters) == 2 * ROLES.get(family, 7) * model.args.n_layers
     save_hf_sharded(model, tmp_path / "base", torch.float32, ByteTokenizer())  # the base only
     write_peft(tmp_path / "peft", adapters, model.args, cfg.lora, str(tmp_path / "base"))
 

@@ -56,6 +56,15 @@ RUNS = [
     ("aux_loss", 4, "hsdp2x2_ep2_accum_delay",
      ("--training.local_batch_size", "1", *EP2, *REPLICATE2, "--parallelism.hsdp_delay_all_reduce")),
     ("none", 4, "fsdp2_tp2_ep2", ("--training.local_batch_size", "2", *TP2, *EP2)),
+    # DeepSeek-V3 (multi-head latent attention, a dense first block, a shared expert, group-limited sigmoid routing
+    # with a correction bias and a scaling factor) and GLM-4.5 (partial rotary, q/k/v biases, q/k norms)
+    ("deepseek", 2, "deepseek_ep2", ("--training.local_batch_size", "4", *EP2)),
+    ("deepseek", 2, "deepseek_tp2_ep2", ("--training.local_batch_size", "8", *TP2, *EP2)),
+    ("glm", 2, "glm_tp2_ep2", ("--training.local_batch_size", "8", *TP2, *EP2)),
+    ("deepseek", 4, "deepseek_fsdp4_ep2_accum", ("--training.local_batch_size", "1", *EP2)),
+    ("deepseek", 4, "deepseek_hsdp2x2_ep2_accum_delay",
+     ("--training.local_batch_size", "1", *EP2, *REPLICATE2, "--parallelism.hsdp_delay_all_reduce")),
+    ("glm", 4, "glm_fsdp2_tp2_ep2", ("--training.local_batch_size", "2", *TP2, *EP2)),
     ("block_causal", 4, "fsdp2_tp2_ep4_no_sp",
      ("--training.local_batch_size", "2", *TP2, "--parallelism.expert_parallel_degree", "4",
       "--parallelism.enable_sequence_parallel", "false")),
@@ -65,6 +74,8 @@ REFERENCES = {
     "aux_free": _mode("aux_free"),
     "none": _mode("none"),
     "block_causal": (*_mode("aux_loss"), *BLOCK),
+    "deepseek": ("--model.name", "deepseek_v3", *_mode("aux_free")),
+    "glm": ("--model.name", "glm4_moe", *_mode("aux_loss")),
 }
 
 
@@ -86,7 +97,8 @@ def test_same_weights_and_losses_at_every_topology_and_load_balancing_mode(tmp_p
             assert torch.allclose(bias[k], v, atol=1e-6), (name, k)
         for k, g in ref_grads.items():
             assert (grads[k] - g).abs().max() <= 1e-4 * g.abs().max(), (name, k)
-    assert all(v.abs().max() > 0 for v in results["aux_free"][2].values())  # the bias moved
+    for moved in ("aux_free", "deepseek"):
+        assert all(v.abs().max() > 0 for v in results[moved][2].values()), moved  # the bias moved
     assert all(v.abs().max() == 0 for v in results["none"][2].values())
 
 

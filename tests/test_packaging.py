@@ -113,6 +113,9 @@ LAYERS = [
         "models.mistral",
         "models.qwen3_moe",
         "models.mixtral",
+        "models.deepseek_v3",
+        "models.glm4_moe",
+        "models.hf_routing",
     ),
     ("*",),  # components: models, data, checkpoint, parallel, metrics, ...
     ("plan",),
