@@ -1,7 +1,7 @@
 """Mixture of Experts at every topology (gloo, CPU): the same weights at step 0 and the same losses (fp32, 10 steps,
 1e-5) in one process, under FSDP, EP, HSDP x EP with accumulation and the delayed all-reduce, TP x EP, with each
-load-balancing mode, causal and block-causal; exact resume with the routing bias, and resume at another EP degree;
-HF import, export and generation under EP."""
+load-balancing mode, causal and block-causal, for Qwen3-MoE, DeepSeek-V3 and GLM-4.5; exact resume with the routing
+bias (DeepSeek-V3's correction bias), and resume at another EP degree; HF import, export and generation under EP."""
 
 from dataclasses import replace
 
@@ -103,7 +103,8 @@ def test_same_weights_and_losses_at_every_topology_and_load_balancing_mode(tmp_p
 
 
 def _resume(tmp, local, extra, save):
-    base = ckpt_argv(tmp, "--model.name", "qwen3_moe", "--training.local_batch_size", str(local), *_mode("aux_free"),
+    # DeepSeek-V3 (its correction bias is the routing bias aux_free moves; latent attention; a dense first block)
+    base = ckpt_argv(tmp, "--model.name", "deepseek_v3", "--training.local_batch_size", str(local), *_mode("aux_free"),
                      *extra)  # fmt: skip
     out = {}
     if save:
