@@ -272,13 +272,17 @@ FRONTIER = {
     "deepseek_v3": dict(MOE, score_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
                         n_shared_experts=1, dense_layers=(0,), q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128),
+    "deepseek_v3_no_q_lora": dict(MOE, score_func="sigmoid", n_shared_experts=2, dense_layers=(0,), kv_lora_rank=32,
+                                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128),
     "glm4_moe": dict(MOE, score_func="sigmoid", n_shared_experts=1, dense_layers=(0,), partial_rotary_factor=0.5,
                      qkv_bias=True, qk_norm=True, intermediate_size=128),
 }  # fmt: skip
 
 
+@pytest.mark.slow  # the fast loop has the formula's other families; these add seconds, not a new kind of check
 @pytest.mark.parametrize(
-    "family, dtype", [("deepseek_v3", torch.float32), ("deepseek_v3", torch.bfloat16), ("glm4_moe", torch.float32)]
+    "family, dtype",
+    [("deepseek_v3_no_q_lora", torch.float32), ("deepseek_v3", torch.bfloat16), ("glm4_moe", torch.float32)],
 )
 def test_activation_estimate_matches_measured_peak_of_deepseek_and_glm_blocks(family, dtype):
     _assert_estimate_close({name: _step(_args(**FRONTIER[family]), name, dtype, seq=256) for name in MODES})

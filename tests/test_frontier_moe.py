@@ -188,3 +188,40 @@ def test_aux_free_trains_on_from_the_folders_correction_bias(tmp_path):
     saved = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
     written = saved["model.layers.2.mlp.gate.e_score_correction_bias"]
     assert written.dtype == torch.float32 and torch.equal(written, moved)
+
+
+def test_a_kimi_k2_folder_is_the_deepseek_v3_architecture(tmp_path):
+    """Kimi K2's folders say model_type 'kimi_k2' (its own code) with architectures DeepseekV3ForCausalLM."""
+    from titanlite.models.registry import family_of_folder
+
+    hf_frontier_model(tmp_path / "hf", "deepseek_v3")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["model_type"] = "kimi_k2"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert family_of_folder(tmp_path / "hf") == "deepseek_v3"
+
+
+def test_a_pipeline_stage_of_dense_blocks_and_the_aux_loss_over_moe_blocks_only():
+    """DeepSeek-V3's first stage may hold its dense blocks only: it passes the aux loss's statistics on; the aux loss
+    of the stages averages over the MoE blocks (as the whole model's), and the logged loads cover MoE blocks only."""
+    from titanlite.models.decoder import Transformer
+    from titanlite.models.moe import LoadTable, moe_layers, update_load_balance
+    from titanlite.models.registry import FAMILIES
+    from titanlite.models.stage import StageModule
+
+    args = FAMILIES["deepseek_v3"].flavors["tiny"].with_overrides(vocab_size=VOCAB)  # block 0 dense, 1-2 MoE
+    model = Transformer(args)
+    model.init_weights(0)
+    model.set_load_balance("aux_loss")
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(x)
+    whole = model.aux_loss_sum.item()
+    dense_stage = StageModule(model, range(0, 1), first=True, last=False)
+    hidden, carrier = dense_stage(x)
+    assert carrier.abs().max() == 0  # nothing to add: no MoE block here
+    model.aux_loss_sum = None
+    StageModule(model, range(1, 3), first=False, last=True)(hidden, carrier, labels=x)
+    assert abs(model.aux_loss_sum.item() - whole) < 1e-5 * whole
+    table = LoadTable(3, args.n_experts, (1, 2), torch.device("cpu"))
+    stats = update_load_balance(moe_layers(model), 0.0, want_stats=True, table=table)
+    assert stats["max_over_mean"].shape == (2,) and (stats["max_over_mean"] >= 1).all()  # no dense block's 0

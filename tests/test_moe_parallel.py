@@ -52,7 +52,6 @@ RUNS = [
     ("none", 2, "ep2_none", ("--training.local_batch_size", "4", *EP2)),
     ("aux_loss", 2, "tp2_ep2", ("--training.local_batch_size", "8", *TP2, *EP2)),
     ("block_causal", 2, "ep2_block_causal", ("--training.local_batch_size", "4", *EP2)),
-    ("aux_free", 4, "fsdp4_ep2_accum", ("--training.local_batch_size", "1", *EP2)),
     ("aux_loss", 4, "hsdp2x2_ep2_accum_delay",
      ("--training.local_batch_size", "1", *EP2, *REPLICATE2, "--parallelism.hsdp_delay_all_reduce")),
     ("none", 4, "fsdp2_tp2_ep2", ("--training.local_batch_size", "2", *TP2, *EP2)),

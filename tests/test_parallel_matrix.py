@@ -1,7 +1,8 @@
 """The parity matrix of pipeline parallelism composed with the other kinds (fp32, gloo, 6 steps): the same losses and
 gradient norms (1e-5) as one process for PP(2) x CP(2), PP(2) x FSDP(2) x EP(2) with an MoE's aux loss (and
 exact resume, and a one-process checkpoint resumed there), PP(2) x FSDP(2) with aux-loss-free balancing and
-interleaved stages, and PP(2) x FSDP(2) with LoRA. Each case asserts that the combination really ran (stages,
+interleaved stages, PP(2) x FSDP(2) with LoRA, and PP(2) x FSDP(2) of DeepSeek-V3 with a stage of its dense block
+only. Each case asserts that the combination really ran (stages,
 experts per rank, cp, what trains). Tied embeddings under pp: tests/test_pipeline.py; fault-tolerant groups with
 MoE, CP, LoRA and pp: tests/test_fault_tolerance.py.
 
@@ -19,6 +20,10 @@ pytestmark = pytest.mark.slow  # spawned gloo ranks
 MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel")
 AUX = (*MOE, "--moe.load_balance", "aux_loss")
 FREE = (*MOE, "--moe.load_balance", "aux_free")
+# DeepSeek-V3 with its dense first block alone on the first stage: those ranks hold no MoE block, pass the aux loss's
+# statistics on and still join the step's sums over the ranks
+DEEPSEEK = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--moe.load_balance", "aux_loss")
+DENSE_STAGE = ("--parallelism.pipeline_parallel_layers_per_stage", "1,5")
 CP2 = ("--parallelism.context_parallel_degree", "2")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 STEPS = ("--training.steps", "6")  # the test_pipeline runs' batches, 6 steps: an MoE's routing has moved by then
@@ -58,6 +63,7 @@ def test_pipeline_composes_with_moe_ep_cp_and_lora(tmp_path):
             ("lora", tmp_path / "lora", (*_lora(base), *CKPT)),  # on the dense run's step-3 weights, saved just before
             ("moe", moe, (*AUX, *CKPT)),
             ("free", free, FREE),
+            ("deepseek", tmp_path / "ds", DEEPSEEK),
         ],
         [],
     )[0]
@@ -73,14 +79,22 @@ def test_pipeline_composes_with_moe_ep_cp_and_lora(tmp_path):
             ("cp", tmp_path / "cp", (*_pp("1F1B"), *CP2)),
             ("free_interleaved", tmp_path / "fi", (*_pp("Interleaved1F1B"), *FREE)),
             ("lora", tmp_path / "pl", (*_pp("1F1B"), *_lora(base), *CKPT)),
+            ("deepseek_dense_stage", tmp_path / "pds", (*_pp("1F1B"), *DEEPSEEK, *DENSE_STAGE)),
         ],
         [(ep / "checkpoint" / "step-3", tmp_path / "ep_resumed" / "checkpoint")],
     )[-1]  # a last stage's rank: its logged losses are the global ones
 
-    for name, ref in (("ep", "moe"), ("cp", "one"), ("free_interleaved", "free"), ("lora", "lora")):
+    for name, ref in (
+        ("ep", "moe"),
+        ("cp", "one"),
+        ("free_interleaved", "free"),
+        ("lora", "lora"),
+        ("deepseek_dense_stage", "deepseek"),
+    ):
         # an MoE's gradient norm: 1e-4, as tests/test_moe_parallel.py's gradients (top-k routing amplifies fp32
         # reduction-order noise; PP(2) x FSDP(2) with aux_free measured 1.6e-5 at step 9)
-        _same(four[name], refs[ref], name, STEP_RANGE, norm_tol=1e-4 if "moe" in ref or ref == "free" else None)
+        moe = "moe" in ref or ref in ("free", "deepseek")
+        _same(four[name], refs[ref], name, STEP_RANGE, norm_tol=1e-4 if moe else None)
         assert four[name]["stages"] >= 2, name
     assert four["free_interleaved"]["stages"] == 4  # 2 stages per rank
     assert four["ep"]["experts_per_rank"] == 4 and refs["moe"]["experts_per_rank"] == 8  # EP(2) of 8 experts

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titanlite.models.moe import moe_layers, update_load_balance
+from titanlite.models.moe import LoadTable, moe_layers, update_load_balance
 
 
 class LoadBalance:
@@ -22,8 +22,13 @@ class LoadBalance:
     """
 
     def __init__(self, model: torch.nn.Module, moe_cfg, args, dims, global_batch_size: int):
+        # (a pipeline rank may hold no MoE block: it still joins the step's sums over the ranks)
         self.model, self.layers = model, moe_layers(model) if args.moe else []
-        mode = moe_cfg.load_balance if self.layers else "none"
+        self.moe = args.moe
+        mode = moe_cfg.load_balance if args.moe else "none"
+        self.moe_rows = tuple(args.moe_layers)
+        device = next((b.device for b in model.buffers()), torch.device("cpu"))
+        self.table = LoadTable(args.n_layers, args.n_experts, self.moe_rows, device)
         coef = args.router_aux_loss_coef if moe_cfg.aux_loss_coef < 0 else moe_cfg.aux_loss_coef
         # FSDP averages over the cp ranks too, each holding the same aux values (their statistics are summed over cp)
         cp = getattr(dims, "cp", 1)
@@ -53,11 +58,11 @@ class LoadBalance:
     def step_done(self) -> dict | None:
         """After the step's backward passes, before the optimizer step: the routing bias moves (aux_free) and the
         step's loads per layer are summed over the ranks; {'max_over_mean', 'aux_sum'} as device tensors."""
-        if not self.layers:
+        if not self.moe:
             return None
-        if self.groups is not None:
+        if self.groups is not None and self.layers:
             self._loads_of_every_group()
-        stats = update_load_balance(self.layers, self.bias_rate, want_stats=True)
+        stats = update_load_balance(self.layers, self.bias_rate, want_stats=True, table=self.table)
         if self.aux_scale:  # (with pp, only the last stage's ranks hold aux values: the others add zero)
             aux = self._aux_sum if self._aux_sum is not None else torch.zeros((), device=stats["max_over_mean"].device)
             stats["aux_sum"], self._aux_sum = aux, None
@@ -92,7 +97,7 @@ class LoadBalance:
         worst = int(share.argmax())
         out = {
             "busiest_over_mean": float(share[worst]),
-            "busiest_layer": worst,
+            "busiest_layer": self.moe_rows[worst],  # the block's index
             "busiest_over_mean_avg": float(share.mean()),
         }
         if "aux_sum" in stats:

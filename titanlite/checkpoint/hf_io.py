@@ -254,11 +254,19 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     set_model_state_dict(model, sd)
 
 
-def warn_dropped_routing_bias(biases: dict[str, torch.Tensor], out: pathlib.Path) -> None:
+def warn_dropped_routing_bias(biases: dict[str, torch.Tensor], out: pathlib.Path, stored: bool = False) -> None:
     """Warn when an MoE's routing bias (moved by [moe] load_balance = "aux_free") is not zero: the HF architecture
-    has none, so the exported model chooses its experts without it."""
+    has none, so the exported model chooses its experts without it; stored: the architecture has one (DeepSeek-V3's
+    correction bias), but a peft adapter does not carry it."""
     if any(bool((b.to_local() if isinstance(b, DTensor) else b).abs().max() > 0) for b in biases.values()):
         if not dist.is_initialized() or dist.get_rank() == 0:
+            if stored:
+                logger.warning(
+                    f"{shown(out)}: a peft adapter holds no routing bias: peft on the base folder routes with the "
+                    f"base's e_score_correction_bias, not the one this run trained on; export the merged model "
+                    f"(--format hf, merged into its base) to keep it (docs/moe.md)"
+                )
+                return
             logger.warning(
                 f"{shown(out)}: the routing bias learned with [moe] load_balance = 'aux_free' is not part of the HF "
                 f"architecture and is left out: the exported model chooses experts without it (docs/moe.md)"

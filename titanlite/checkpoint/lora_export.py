@@ -18,7 +18,7 @@ from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.models.args import args_from_dict
-from titanlite.models.hf_names import is_routing_bias
+from titanlite.models.hf_names import is_routing_bias, routing_bias_shapes
 from titanlite.models.lora import merge_adapters
 
 
@@ -51,7 +51,8 @@ def export_peft(step: Path, output: Path, dtype: torch.dtype | None) -> int:
         raise ConfigError(f"--checkpoint {step} is not a LoRA checkpoint (it has no lora_base.json): nothing to export")
     cfg, args = _run_of(step)
     saved = saved_adapters(step, model_prefix(read_metadata(step)), routing_bias=True)
-    warn_dropped_routing_bias({k: v for k, v in saved.items() if is_routing_bias(k)}, output)
+    if moved_bias := {k: v for k, v in saved.items() if is_routing_bias(k)}:
+        warn_dropped_routing_bias(moved_bias, output, stored=bool(routing_bias_shapes(args)))
     adapters = {k: v for k, v in saved.items() if not is_routing_bias(k)}
     return write_peft(output, adapters, args, cfg.lora, str(read_lora_base(step).get("path")), dtype)
 

@@ -343,7 +343,7 @@ class ModelArgs:
             attention = (
                 latents + (4 * q + heads * vd) * a,
                 (rq + r + rope + q + kv_b) * a,
-                (rq + q) * a,
+                (rq + q) * a if rq else (q + kv_b) * a,  # the 1st, 3rd, ... matmul outputs kept
             )
         if moe:
             e, experts = self.n_experts, self.expert_activation_bytes(act_bytes, tp)

@@ -244,8 +244,11 @@ class Transformer(nn.Module):
     def loss_chunk_tokens(self, value: int) -> None:
         self.output.chunk_tokens = value
 
+    load_balance = "none"  # an MoE model's load balancing (set_load_balance)
+
     def set_load_balance(self, mode: str) -> None:
         """The MoE load balancing of every block: aux_loss, aux_free or none (models/moe.py)."""
+        self.load_balance = mode
         for m in moe_layers(self):
             m.load_balance = mode
 

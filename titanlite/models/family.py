@@ -52,6 +52,8 @@ class HFArchitecture:
 
     architecture: str  # "Qwen3ForCausalLM"
     model_type: str  # "qwen3"
+    # other model_type values of folders of this architecture (Kimi K2's "kimi_k2": DeepseekV3ForCausalLM)
+    model_type_aliases: tuple[str, ...] = ()
     qk_norm: bool = False  # the class always has per-head q/k RMSNorm
     qkv_bias: bool = False  # the class always has q/k/v biases
     default_head_dim: int | None = None  # head_dim when config.json has none; None = hidden_size / heads

@@ -21,6 +21,8 @@ tp rank routes its own share of the tokens (tp_group).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -327,17 +329,24 @@ def record_forward(layers: list[MoE]) -> None:
 
 
 @torch.no_grad()
-def update_load_balance(layers: list[MoE], bias_rate: float, want_stats: bool) -> dict | None:
+def update_load_balance(
+    layers: list[MoE], bias_rate: float, want_stats: bool, table: LoadTable | None = None
+) -> dict | None:
     """Before the optimizer step: the step's slots per expert summed over every rank (each token is routed on one
     rank), aux_free's bias moved by bias_rate against each expert's load (sign of mean - load, centred), the
-    counts cleared; with want_stats, {'max_over_mean': per layer (device tensor), ...} for the log."""
-    if not layers:
-        return None
+    counts cleared; with want_stats, {'max_over_mean': per MoE block in block order (device tensor), ...} for the
+    log. table: the whole model's blocks (needed on a pipeline rank that holds no MoE block, which still joins
+    the sum; None: from the layers)."""
+    if table is None:
+        if not layers:
+            return None
+        m = layers[0]
+        table = LoadTable(m.n_blocks, m.n_experts, tuple(range(m.n_blocks)), m.expert_bias.device)
     # one row per block of the whole model: with pipeline parallelism a rank holds some blocks, and the sum over
     # every rank fills each block's row from the ranks of its stage
-    counts = layers[0].tokens_per_expert.new_zeros(layers[0].n_blocks, layers[0].n_experts)
-    rows = [m.block for m in layers]
-    counts[rows] = torch.stack([m.tokens_per_expert for m in layers])
+    counts = torch.zeros(table.n_blocks, table.n_experts, device=table.device)
+    if layers:
+        counts[[m.block for m in layers]] = torch.stack([m.tokens_per_expert for m in layers])
     for m in layers:
         m.tokens_per_expert.zero_()
     if bias_rate <= 0 and not want_stats:
@@ -351,4 +360,14 @@ def update_load_balance(layers: list[MoE], bias_rate: float, want_stats: bool) -
             m.expert_bias += delta[m.block]
     if not want_stats:
         return None
-    return {"max_over_mean": counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)}
+    moe = counts[list(table.moe_rows)]  # a dense block's row stays empty: it is no layer of the balance
+    return {"max_over_mean": moe.max(dim=1).values / moe.mean(dim=1).clamp(min=1e-9)}
+
+
+class LoadTable(NamedTuple):
+    """The shape of a model's expert loads: its blocks, experts per block, the blocks that are MoE, the device."""
+
+    n_blocks: int
+    n_experts: int
+    moe_rows: tuple[int, ...]
+    device: torch.device

@@ -65,7 +65,7 @@ def family_of_config(config: dict, source: str) -> Family:
     its architectures, when it names them); ConfigError naming the supported ones."""
     model_type, archs = architecture_of(config, source)
     file = pathlib.Path(source) / CONFIG
-    by_type = [f for f in FAMILIES.values() if f.hf.model_type == model_type]
+    by_type = [f for f in FAMILIES.values() if model_type in (f.hf.model_type, *f.hf.model_type_aliases)]
     if by_type:
         family = by_type[0]
         if archs is None or family.hf.architecture in archs:

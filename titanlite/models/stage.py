@@ -70,7 +70,7 @@ class StageModule(nn.Module):
             rope, mask = model.training_rope_mask(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
-        carrier = self._load_stats(carrier, x.shape[0]) if model.args.moe else None
+        carrier = self._load_stats(carrier, x.shape[0], h.device) if model.args.moe else None
         if self.output is None:
             return h if carrier is None else (h, carrier)
         h = self.norm(h)
@@ -81,24 +81,26 @@ class StageModule(nn.Module):
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return loss if carrier is None else loss + 0.0 * carrier.sum()  # the carriers' backward starts here
 
-    def _load_stats(self, carrier, batch: int):
+    def _load_stats(self, carrier, batch: int, device):
         """An MoE stage's part of the step's load balancing: its loads counted; with aux_loss, the carrier of the
-        statistics (None otherwise), and on the last stage the aux loss recorded for the log."""
+        statistics (None otherwise), and on the last stage the aux loss recorded for the log. A stage of dense
+        blocks only (DeepSeek-V3's first) passes the carrier on."""
+        model = self._model[0]
         layers = moe_layers(self)
         counted = torch.is_grad_enabled() and not self.inferring
         if counted:
             record_forward(layers)
-        if layers[0].load_balance != "aux_loss":
+        if model.load_balance != "aux_loss":
             return None
-        stats = stage_load_stats(layers) if torch.is_grad_enabled() else None
+        e, n = model.args.n_experts, len(model.args.moe_layers)  # the aux loss averages over the MoE blocks
         if carrier is None:
-            carrier = torch.zeros(2, batch, layers[0].n_experts, device=layers[0].expert_bias.device)
-        if stats is None:  # a forward without gradients (validation): the carrier passes on
+            carrier = torch.zeros(2, batch, e, device=device)
+        if not torch.is_grad_enabled():  # a forward without gradients (validation): the carrier passes on
             return carrier
-        e, n = layers[0].n_experts, layers[0].n_blocks
-        carrier = CarryLoadStats.apply(carrier, *stats, self.aux_grad_scale * e / n**2)
+        stats = stage_load_stats(layers)
+        if stats is not None:
+            carrier = CarryLoadStats.apply(carrier, *stats, self.aux_grad_scale * e / n**2)
         if self.output is not None and counted:  # every layer's statistics are in: the aux loss of these sequences
-            model = self._model[0]
             aux = e / n**2 * (carrier[0] * carrier[1]).sum().detach()
             model.aux_loss_sum = aux if model.aux_loss_sum is None else model.aux_loss_sum + aux
         return carrier

@@ -82,11 +82,12 @@ def _built_rank(cfg, plan, world_size: int, pp_rank: int) -> dict:
 
 def rank_memory(cfg, plan, world_size: int, pp_rank: int, split: list[range], built: dict) -> RankMemory:
     """Size pipeline rank pp_rank (split: every stage's blocks); built caches the builds by the shape of a rank's
-    stages (ranks whose stages hold as many blocks, with or without the ends, hold the same state)."""
+    stages (ranks whose stages hold as many blocks of each kind, with or without the ends, hold the same state)."""
     dims, args, t, p = plan.dims, plan.model_args, cfg.training, cfg.parallelism
     ids = rank_stages(pp_rank, dims.pp, stages_per_rank(p), p.pipeline_parallel_schedule)
     last = len(split) - 1 in ids
-    key = (tuple(len(split[i]) for i in ids), 0 in ids, last)
+    # the blocks' kinds too: a dense block among MoE ones (dense_layers) holds other weights
+    key = (tuple(tuple(args.is_moe_layer(b) for b in split[i]) for i in ids), 0 in ids, last)
     if key not in built:
         built[key] = _built_rank(cfg, plan, world_size, pp_rank)
     b = built[key]

@@ -126,6 +126,7 @@ FAMILY = Family(
     hf=HFArchitecture(
         architecture="DeepseekV3ForCausalLM",
         model_type="deepseek_v3",
+        model_type_aliases=("kimi_k2",),  # Kimi K2's folders (custom code of this architecture)
         extra_args=mla_args,
         extra_keys=mla_keys,
         mtp_keys=MTP_KEYS,
