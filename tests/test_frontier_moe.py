@@ -166,6 +166,7 @@ def test_flops_count_latent_attention_and_active_experts():
 def test_aux_free_trains_on_from_the_folders_correction_bias(tmp_path):
     """A DeepSeek-V3 folder's e_score_correction_bias is the routing bias aux_free moves: training starts from it and
     an export writes the moved one (fp32, as the HF class keeps it)."""
+    import torch.distributed as dist
     from safetensors.torch import load_file
 
     from titanlite.checkpoint.hf_io import save_hf_sharded
@@ -178,16 +179,20 @@ def test_aux_free_trains_on_from_the_folders_correction_bias(tmp_path):
                      "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--moe.load_balance", "aux_free",
                      "--training.steps", "2", "--training.local_batch_size", "2", "--training.global_batch_size", "2",
                      "--model.vocab_size", str(VOCAB))  # fmt: skip
-    t = make_trainer(argv)
-    start = hf.model.layers[2].mlp.gate.e_score_correction_bias
-    assert torch.equal(t.model.layers[2].feed_forward.expert_bias, start)
-    t.train()
-    moved = t.model.layers[2].feed_forward.expert_bias.clone()
-    assert not torch.equal(moved, start)
-    save_hf_sharded(t.model, tmp_path / "out", torch.bfloat16, ByteTokenizer())
-    saved = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
-    written = saved["model.layers.2.mlp.gate.e_score_correction_bias"]
-    assert written.dtype == torch.float32 and torch.equal(written, moved)
+    try:
+        t = make_trainer(argv)
+        start = hf.model.layers[2].mlp.gate.e_score_correction_bias
+        assert torch.equal(t.model.layers[2].feed_forward.expert_bias, start)
+        t.train()
+        moved = t.model.layers[2].feed_forward.expert_bias.clone()
+        assert not torch.equal(moved, start)
+        save_hf_sharded(t.model, tmp_path / "out", torch.bfloat16, ByteTokenizer())
+        saved = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
+        written = saved["model.layers.2.mlp.gate.e_score_correction_bias"]
+        assert written.dtype == torch.float32 and torch.equal(written, moved)
+    finally:  # the in-process trainer's process group: later tests build their own
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_a_kimi_k2_folder_is_the_deepseek_v3_architecture(tmp_path):

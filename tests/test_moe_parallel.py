@@ -1,4 +1,4 @@
-"""Mixture of Experts at every topology (gloo, CPU): the same weights at step 0 and the same losses (fp32, 10 steps,
+"""Mixture of Experts at every topology (gloo, CPU): the same weights at step 0 and the same losses (fp32, 6 steps,
 1e-5) in one process, under FSDP, EP, HSDP x EP with accumulation and the delayed all-reduce, TP x EP, with each
 load-balancing mode, causal and block-causal, for Qwen3-MoE, DeepSeek-V3 and GLM-4.5; exact resume with the routing
 bias (DeepSeek-V3's correction bias), and resume at another EP degree; HF import, export and generation under EP."""
@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow  # spawned gloo ranks
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 REPLICATE2 = ("--parallelism.data_parallel_replicate_degree", "2")
+STEPS = ("--training.steps", "6")  # the routing and the bias have moved by then (the suite's time budget)
 BLOCK = ("--model.attention", "block_causal")
 
 
@@ -32,7 +33,7 @@ def _train(tmp, runs):
     out = {}
     for name, argv in runs:
         t = make_trainer(
-            tiny_argv(f"{tmp}/{name}", "--model.name", "qwen3_moe", "--training.global_batch_size", "8", *argv)
+            tiny_argv(f"{tmp}/{name}", "--model.name", "qwen3_moe", "--training.global_batch_size", "8", *STEPS, *argv)
         )
         init = {k: _full(v).clone() for k, v in t.model.state_dict().items()}
         losses = t.train()
@@ -87,7 +88,7 @@ def test_same_weights_and_losses_at_every_topology_and_load_balancing_mode(tmp_p
     assert results["aux_free"][0] != results["none"][0]  # the modes train differently
     for ref, _, name, _ in RUNS:
         (losses, init, bias, grads), (ref_losses, ref_init, ref_bias, ref_grads) = results[name], results[ref]
-        assert ref_losses[10] < ref_losses[1], ref
+        assert ref_losses[6] < ref_losses[1], ref
         for k, v in ref_init.items():
             assert torch.equal(init[k], v), (name, k)  # an expert's weights do not depend on which rank holds it
         for step, loss in ref_losses.items():
