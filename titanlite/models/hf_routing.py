@@ -10,8 +10,24 @@ import logging
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.config_fields import POSITIVE_INT, POSITIVE_NUMBER, field, is_int, is_positive_number
+from titanlite.models.family import HFExperts
 
 logger = logging.getLogger("titanlite")
+
+# DeepSeek-V3's and GLM-4.5's names and keys for the routed experts (one HF tensor per expert) and the correction bias
+SIGMOID_ROUTED_EXPERTS = HFExperts(
+    count_keys=("n_routed_experts", "num_local_experts"),
+    hidden_key="moe_intermediate_size",
+    norm_topk_key="norm_topk_prob",
+    norm_topk_default=True,
+    router="mlp.gate.weight",
+    weights={
+        "w1": "mlp.experts.{e}.gate_proj.weight",
+        "w3": "mlp.experts.{e}.up_proj.weight",
+        "w2": "mlp.experts.{e}.down_proj.weight",
+    },
+    routing_bias="mlp.gate.e_score_correction_bias",
+)
 
 
 def _count(config: dict, key: str, file: str, default: int, low: int = 0) -> int:

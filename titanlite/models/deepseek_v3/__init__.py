@@ -11,8 +11,8 @@ import json
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs, RopeScaling
 from titanlite.models.config_fields import POSITIVE_INT, field, is_int
-from titanlite.models.family import Family, HFArchitecture, HFExperts
-from titanlite.models.hf_routing import note_mtp_layers, routing_args, routing_keys
+from titanlite.models.family import Family, HFArchitecture
+from titanlite.models.hf_routing import SIGMOID_ROUTED_EXPERTS, note_mtp_layers, routing_args, routing_keys
 
 MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 # DeepseekV3Config's defaults (transformers 5) for keys a config.json leaves out
@@ -131,18 +131,6 @@ FAMILY = Family(
         extra_keys=mla_keys,
         mtp_keys=MTP_KEYS,
         export_extras={"output_router_logits": False},
-        experts=HFExperts(
-            count_keys=("n_routed_experts", "num_local_experts"),
-            hidden_key="moe_intermediate_size",
-            norm_topk_key="norm_topk_prob",
-            norm_topk_default=True,
-            router="mlp.gate.weight",
-            weights={
-                "w1": "mlp.experts.{e}.gate_proj.weight",
-                "w3": "mlp.experts.{e}.up_proj.weight",
-                "w2": "mlp.experts.{e}.down_proj.weight",
-            },
-            routing_bias="mlp.gate.e_score_correction_bias",
-        ),
+        experts=SIGMOID_ROUTED_EXPERTS,
     ),
 )
