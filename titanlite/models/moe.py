@@ -227,12 +227,12 @@ class MoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0))
         if self.scaling != 1.0:
             weights = weights * self.scaling
-        if self.score_func == "sigmoid":  # aux_loss's probabilities: the scores normalised per token (DeepSeek-V3)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
         slots = chosen.flatten()
         counts = torch.bincount(slots, minlength=self.n_experts)
         self.last_counts = counts
         if self.load_balance == "aux_loss" and torch.is_grad_enabled():
+            if self.score_func == "sigmoid":  # aux_loss's probabilities: the scores normalised per token (DeepSeek-V3)
+                probs = probs / probs.sum(dim=-1, keepdim=True)
             self.last_sequence_stats = self._sequence_stats(probs, chosen, b, s)
         order = slots.argsort(stable=True)  # by expert
         token = order // self.top_k
