@@ -230,3 +230,18 @@ def test_a_pipeline_stage_of_dense_blocks_and_the_aux_loss_over_moe_blocks_only(
     table = LoadTable(3, args.n_experts, (1, 2), torch.device("cpu"))
     stats = update_load_balance(moe_layers(model), 0.0, want_stats=True, table=table)
     assert stats["max_over_mean"].shape == (2,) and (stats["max_over_mean"] >= 1).all()  # no dense block's 0
+
+
+@pytest.mark.parametrize("value_dim", [12, 40], ids=["v_narrower", "v_wider"])
+def test_attention_with_a_value_head_dim_of_its_own_equals_the_plain_softmax(value_dim):
+    """Latent attention's v has its own head dim (DeepSeek-V3: 128 against q/k's 192); attention pads to one width for
+    the flash kernels, either way round, and keeps the q/k head dim's scale."""
+    from titanlite.models.rope_attention import attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 24, generator=g), torch.randn(2, 4, 9, 24, generator=g)
+    v = torch.randn(2, 4, 9, value_dim, generator=g)
+    scores = (q @ k.transpose(-1, -2)) * 24**-0.5
+    scores = scores.masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), float("-inf"))
+    expected = scores.softmax(dim=-1) @ v
+    assert (attend(q, k, v) - expected).abs().max() < 1e-5

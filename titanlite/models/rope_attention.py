@@ -150,9 +150,11 @@ def attend(
     head_dim). mask None: causal, or over every key when causal is False (one new query of a KV cache); else
     block-causal or cache-offset causal with a mask from block_causal_mask or cached_attention_mask. scale: the
     logits' (None: 1 / sqrt(head_dim))."""
-    value_dim = v.shape[-1]
-    if value_dim != q.shape[-1]:  # flash kernels take one head_dim: v is zero-padded to it, its output cut back
-        return attend(q, k, F.pad(v, (0, q.shape[-1] - value_dim)), mask, causal, scale)[..., :value_dim]
+    value_dim, qk_dim = v.shape[-1], q.shape[-1]
+    if value_dim != qk_dim:  # flash kernels take one head_dim: zero-padded to the wider (dot products unchanged)
+        width, scale = max(value_dim, qk_dim), qk_dim**-0.5 if scale is None else scale
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        return attend(q, k, v, mask, causal, scale)[..., :value_dim]
     gqa = k.shape[1] != q.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, scale=scale)
