@@ -88,6 +88,16 @@ class ModelArgs:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     partial_rotary_factor: float = 1.0  # the share of each head's features RoPE rotates (GLM-4.5: 0.5)
+    # gpt-oss (models/sinks.py, models/layer_masks.py, models/moe.py): a learned logit per head that every query also
+    # attends to (with a zero value), blocks that see only the last sliding_window positions, biases on the output
+    # projection, the router and the experts, and the clamped SwiGLU (up + 1) * gate * sigmoid(alpha * gate).
+    attention_sinks: bool = False
+    sliding_window: int = 0  # the keys a query of a sliding_layers block sees: this many, its own position last
+    sliding_layers: tuple[int, ...] = ()
+    out_bias: bool = False  # a bias on attention's output projection
+    expert_biases: bool = False  # biases on the router and on each expert's projections
+    swiglu_limit: float = 0.0  # > 0: gate <= limit and |up| <= limit in gpt-oss's SwiGLU; 0: plain SwiGLU
+    swiglu_alpha: float = 1.702  # gpt-oss's SwiGLU: gate * sigmoid(alpha * gate)
 
     def position_limit(self) -> int:
         """The positions the model is meant to reach: its published context (config.json's max_position_embeddings),
@@ -117,6 +127,10 @@ class ModelArgs:
         if self.mla:
             return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether block `layer` attends to the last sliding_window positions only."""
+        return layer in self.sliding_layers
 
     @property
     def kv_heads(self) -> int:
@@ -194,6 +208,10 @@ class ModelArgs:
             shapes.update({"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
         if self.qk_norm:
             shapes.update({"attention.q_norm.weight": (self.head_dim,), "attention.k_norm.weight": (self.head_dim,)})
+        if self.out_bias:
+            shapes["attention.wo.bias"] = (d,)
+        if self.attention_sinks:
+            shapes["attention.sinks"] = (h,)
         return shapes
 
     def block_shapes(self, layer: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -211,6 +229,9 @@ class ModelArgs:
                     "feed_forward.experts.w2": (e, h, d),
                 }
             )
+            if self.expert_biases:
+                shapes.update({"feed_forward.router.bias": (e,), "feed_forward.experts.b1": (e, h),
+                               "feed_forward.experts.b3": (e, h), "feed_forward.experts.b2": (e, d)})  # fmt: skip
             if self.n_shared_experts:
                 s = self.shared_hidden_dim
                 shapes.update(
@@ -251,7 +272,8 @@ class ModelArgs:
         output = self.vocab_size * self.dim
         non_embedding = blocks + self.dim + output  # + final norm
         total = embedding + non_embedding - (output if self.tie_embeddings else 0)
-        idle = len(self.moe_layers) * (self.n_experts - self.top_k) * 3 * self.dim * self.moe_hidden_dim
+        per_expert = 3 * self.dim * self.moe_hidden_dim + (2 * self.moe_hidden_dim + self.dim) * self.expert_biases
+        idle = len(self.moe_layers) * (self.n_experts - self.top_k) * per_expert
         return {
             "total": total,
             "embedding": embedding,
@@ -262,8 +284,12 @@ class ModelArgs:
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at this sequence length (see titanlite/sizing/flops.py); an MoE
-        counts the parameters a token is computed with (top_k experts), not every expert."""
-        attention = 6 * self.n_layers * self.n_heads * (self.head_dim + self.value_dim) * seq_len
+        counts the parameters a token is computed with (top_k experts), not every expert; a sliding-window block's
+        attention, the keys of its window."""
+        keys = sum(
+            min(seq_len, self.sliding_window) if self.is_sliding_layer(i) else seq_len for i in range(self.n_layers)
+        )
+        attention = 6 * self.n_heads * (self.head_dim + self.value_dim) * keys
         return 6 * self.param_counts()["active_non_embedding"] + attention
 
     def block_activation_bytes(
@@ -409,6 +435,7 @@ def args_from_dict(data: dict) -> ModelArgs:
     data = dict(data)
     if data.get("rope_scaling") is not None:
         data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-    if "dense_layers" in data:  # a JSON list
-        data["dense_layers"] = tuple(data["dense_layers"])
+    for key in ("dense_layers", "sliding_layers"):  # JSON lists
+        if key in data:
+            data[key] = tuple(data[key])
     return ModelArgs(**data)

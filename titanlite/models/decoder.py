@@ -23,10 +23,12 @@ from titanlite.models.chunked_loss import chunked_linear_cross_entropy
 from titanlite.models.context_parallel import cp_attention_mask, gather_sequence, inverse_order, local_index
 from titanlite.models.feed_forward import FeedForward
 from titanlite.models.kv_cache import KVCache, LayerKV
+from titanlite.models.layer_masks import additive_mask, block_mask, layer_masks
 from titanlite.models.lora import adapter_init, is_adapter
 from titanlite.models.mla import LatentAttention
 from titanlite.models.moe import MoE, aux_loss_sum, moe_layers, record_forward
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
+from titanlite.models.sinks import attend_with_sinks
 
 __all__ = ["ModelArgs", "Transformer", "TransformerBlock", "rope_table"]
 
@@ -41,7 +43,9 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=args.out_bias)
+        # gpt-oss: a sink logit per head (models/sinks.py); split with the heads under tensor parallelism
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None
         if args.qk_norm:  # one RMSNorm over head_dim, shared by every head
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
@@ -63,11 +67,15 @@ class Attention(nn.Module):
                 gather_sequence(v, self.cp_group, self.cp_inverse),
             )
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is None:
-            out = attend(q, k, v, mask)
-        else:  # over the cached prefix and these positions; causal only when the cache was empty
+        causal = True
+        if cache is not None:  # over the cached prefix and these positions; causal only when the cache was empty
             k, v = cache.update(k, v)
-            out = attend(q, k, v, mask, causal=cache.causal)
+            causal = cache.causal
+        if self.sinks is None:
+            out = attend(q, k, v, mask, causal=causal)
+        else:
+            sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks  # this rank's heads
+            out = attend_with_sinks(q, k, v, sinks, mask, causal=causal)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -75,6 +83,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
+        self.sliding = args.is_sliding_layer(layer_id)  # attends to the last sliding_window positions only
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = LatentAttention(args) if args.mla else Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -90,13 +99,17 @@ class TransformerBlock(nn.Module):
                 topk_group=args.topk_group,
                 scaling=args.routed_scaling_factor,
                 shared_hidden=args.shared_hidden_dim,
+                biases=args.expert_biases,
+                swiglu_limit=args.swiglu_limit,
+                swiglu_alpha=args.swiglu_alpha,
             )
             self.feed_forward.block, self.feed_forward.n_blocks = layer_id, args.n_layers  # its row in the loads
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None, cache: LayerKV | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, cache)
+        """mask: what models/layer_masks.layer_masks built (this block takes its kind's)."""
+        h = x + self.attention(self.attention_norm(x), rope, block_mask(mask, self.sliding), cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -172,7 +185,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits (batch, positions, vocab); the summed loss when given labels; last_only: the logits of the last
         position alone (generation's next token: a long prompt never makes the whole (prompt x vocab) logits)."""
-        rope, mask = self.rope, None
+        rope, mask, start = self.rope, None, 0
         if self.cp_group is not None and cache is None:  # this rank's two chunks of every sequence
             tokens, labels, rope, mask = self._context_parallel_part(tokens, labels, positions)
         elif cache is not None:
@@ -182,9 +195,12 @@ class Transformer(nn.Module):
             start = cache.begin(n)
             rope, mask = self.rope[start : start + n], cached_attention_mask(start, n, tokens.device)
         elif positions is not None and self.args.attention == "block_causal":
-            rope, mask = self.training_rope_mask(positions, None)
+            rope, mask = self._block_causal(positions)
         h = self.tok_embeddings(tokens)
-        mask = additive_mask(mask, h.dtype)
+        if self.cp_group is not None and cache is None:
+            mask = additive_mask(mask, h.dtype)
+        else:  # a mask per kind of block (sliding windows, sinks)
+            mask = layer_masks(self.args, mask, start, tokens.shape[1], tokens.device, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layers[i])
         if cache is not None:
@@ -197,14 +213,20 @@ class Transformer(nn.Module):
             return self.output(self.norm(h), labels)
         return self.output(self.norm(h[:, -1:] if last_only else h))
 
-    def training_rope_mask(self, positions: torch.Tensor | None, dtype: torch.dtype | None):
-        """The rotation table and attention mask of a forward without cache or context parallelism: block-causal
-        over the documents that `positions` marks (args.attention = block_causal), else causal (mask None); a
-        boolean mask becomes additive in `dtype` (None: kept boolean)."""
-        if positions is None or self.args.attention != "block_causal":
-            return self.rope, None
-        mask = block_causal_mask(positions, self.attention_kernel)
-        return self.rope[positions], mask if dtype is None else additive_mask(mask, dtype)
+    def training_rope_mask(self, positions: torch.Tensor | None, dtype: torch.dtype | None, seq_len: int):
+        """The rotation table and attention mask(s) of a forward of seq_len tokens without cache or context
+        parallelism: block-causal over the documents that `positions` marks (args.attention = block_causal), else
+        causal (mask None); one per kind of block for sliding windows and sinks (models/layer_masks.py); a boolean
+        mask becomes additive in `dtype` (None: kept boolean)."""
+        rope, mask = self.rope, None
+        if positions is not None and self.args.attention == "block_causal":
+            rope, mask = self._block_causal(positions)
+        return rope, layer_masks(self.args, mask, 0, seq_len, self.rope.device, dtype)
+
+    def _block_causal(self, positions: torch.Tensor):
+        """The rotations by document position and the block-causal mask (SDPA's for sliding windows and sinks)."""
+        plain = not (self.args.sliding_layers or self.args.attention_sinks)
+        return self.rope[positions], block_causal_mask(positions, self.attention_kernel if plain else "sdpa")
 
     cp_group = None  # context parallelism (set_context_parallel): forward computes this rank's part of sequences
 
@@ -307,7 +329,7 @@ class Transformer(nn.Module):
             return adapter_init(name)
         if name.endswith("norm.weight"):
             return lambda t, g: t.fill_(1.0)
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "experts.b1", "experts.b2", "experts.b3")):
             return lambda t, g: t.zero_()
         if name == "tok_embeddings.weight":
             std = a.dim**-0.5 if a.tie_embeddings else 1.0
@@ -327,13 +349,6 @@ class Transformer(nn.Module):
             )
             return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -2 * std, 2 * std, generator=g)
         raise KeyError(f"no init rule for parameter {name}")
-
-
-def additive_mask(mask, dtype: torch.dtype):
-    """One additive mask for every layer: SDPA would convert a boolean one in each layer and keep every copy."""
-    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return mask
 
 
 def _name_seed(seed: int, name: str) -> int:

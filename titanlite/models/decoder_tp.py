@@ -9,7 +9,8 @@ split over the vocabulary and the loss is computed on the shards (loss.loss_para
 
 Qwen3's per-head q/k norms act on each rank's own heads; their weight is replicated over tp and its gradient
 summed over the ranks (SequenceParallel over the head dimension). Qwen2's q/k/v biases are split with their
-rows. The attention module's head counts become the local ones, which the KV cache reads.
+rows, as gpt-oss's attention sinks are with their heads. The attention module's head counts become the local ones,
+which the KV cache reads.
 """
 
 from __future__ import annotations
@@ -167,6 +168,9 @@ def parallelize_decoder(
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+        sinks = getattr(block.attention, "sinks", None)
+        if sinks is not None:  # gpt-oss's sink per head: each rank its heads' (Attention reads its local part)
+            block.attention.sinks = nn.Parameter(distribute_tensor(sinks, tp_mesh, [Shard(0)]))
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp
     # The first block gets a plain tensor, not a collective's wrapper: a compiled block would otherwise drop the

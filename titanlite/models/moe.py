@@ -106,28 +106,46 @@ def grouped_mm_takes(dim: int, hidden: int, dtype: torch.dtype) -> bool:
     return dim % per_row == 0 and hidden % per_row == 0
 
 
-def _per_expert(tokens: torch.Tensor, counts: torch.Tensor, w1, w3, w2) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0, alpha: float = 1.702) -> torch.Tensor:
+    """silu(gate) * up; with a limit, gpt-oss's clamped variant: gate <= limit, -limit <= up <= limit,
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if not limit:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+def _per_expert(tokens: torch.Tensor, counts: torch.Tensor, weights, biases, act) -> torch.Tensor:
     """Each expert's SwiGLU on its own tokens, one expert after another (transformers' loop), for the sizes
     torch._grouped_mm does not take. The weights are unbound, not sliced: their gradient is one stack."""
     parts = tokens.split(counts.tolist())  # a host sync, as the token exchange's
-    outs = [
-        (F.silu(x @ a) * (x @ b)) @ c
-        for x, a, b, c in zip(parts, w1.unbind(0), w3.unbind(0), w2.unbind(0), strict=True)
-    ]
+    w1, w3, w2 = (w.unbind(0) for w in weights)
+    b1, b3, b2 = (b.unbind(0) if b is not None else [0] * len(parts) for b in biases)
+    outs = [act(x @ w1[e] + b1[e], x @ w3[e] + b3[e]) @ w2[e] + b2[e] for e, x in enumerate(parts)]
     return torch.cat(outs)
 
 
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU experts: w1 and w3 [experts, dim, hidden], w2 [experts, hidden, dim]. Given tokens sorted by
-    expert and the count per expert, returns their outputs in the same order. With expert parallelism (ep > 1) the
-    weights are split over the ep ranks by expert and the tokens are exchanged with them."""
+    """n_experts SwiGLU experts: w1 and w3 [experts, dim, hidden], w2 [experts, hidden, dim]; with biases (gpt-oss)
+    b1, b3 [experts, hidden] and b2 [experts, dim]; swiglu_limit > 0: gpt-oss's clamped SwiGLU (swiglu). Given tokens
+    sorted by expert and the count per expert, returns their outputs in the same order. With expert parallelism
+    (ep > 1) the weights are split over the ep ranks by expert and the tokens are exchanged with them."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(
+        self, n_experts: int, dim: int, hidden: int, biases: bool = False, swiglu_limit: float = 0.0, alpha=1.702
+    ):
         super().__init__()
         self.n_experts = n_experts
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        if biases:
+            self.b1 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b3 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b2 = nn.Parameter(torch.empty(n_experts, dim))
+        else:
+            self.b1 = self.b3 = self.b2 = None
+        self.swiglu_limit, self.alpha = swiglu_limit, alpha
         self.ep, self.ep_group = 1, None  # set by parallel/ep.py
         self.grad_scale = 1.0  # set by parallel/ep.py
 
@@ -139,21 +157,31 @@ class GroupedExperts(nn.Module):
             return self._compute(tokens, counts)
         return self._exchange(tokens, counts)
 
-    def _weights(self) -> list[torch.Tensor]:
+    def _weights(self) -> list[torch.Tensor | None]:
+        """w1, w3, w2, b1, b3, b2 as this rank computes with them (None: no biases)."""
         out = []
-        for w in (self.w1, self.w3, self.w2):
+        for w in (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2):
             w = w.to_local() if isinstance(w, DTensor) else w  # this rank's experts (FSDP has gathered the rest)
-            out.append(w if self.grad_scale == 1.0 else _ScaleGrad.apply(w, self.grad_scale))
+            out.append(w if self.grad_scale == 1.0 or w is None else _ScaleGrad.apply(w, self.grad_scale))
         return out
 
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate, up, self.swiglu_limit, self.alpha)
+
     def _compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2 = self._weights()
+        w1, w3, w2, *biases = self._weights()
         tokens = tokens.to(w1.dtype)
         if not grouped_mm_takes(w1.shape[1], w1.shape[2], w1.dtype):
-            return _per_expert(tokens, counts, w1, w3, w2)
+            return _per_expert(tokens, counts, (w1, w3, w2), biases, self._act)
         ends = counts.cumsum(0).to(torch.int32)
-        hidden = F.silu(torch._grouped_mm(tokens, w1, offs=ends)) * torch._grouped_mm(tokens, w3, offs=ends)
-        return torch._grouped_mm(hidden, w2, offs=ends)
+        gate, up = torch._grouped_mm(tokens, w1, offs=ends), torch._grouped_mm(tokens, w3, offs=ends)
+        b1, b3, b2 = (  # each row's expert's bias (output_size: no host sync)
+            None if b is None else b.repeat_interleave(counts, dim=0, output_size=tokens.shape[0]) for b in biases
+        )
+        if b1 is not None:
+            gate, up = gate + b1, up + b3
+        out = torch._grouped_mm(self._act(gate, up), w2, offs=ends)
+        return out if b2 is None else out + b2
 
     def _exchange(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, group, local = self.ep, self.ep_group, self.n_experts // self.ep
@@ -174,7 +202,8 @@ class MoE(nn.Module):
 
     score_func softmax or sigmoid; n_group > 1: the top_k are chosen among the experts of the topk_group groups
     whose two best scores (routing bias included) sum highest; the chosen weights are multiplied by scaling;
-    shared_hidden > 0: a SwiGLU of that size (the shared experts) adds its output for every token."""
+    shared_hidden > 0: a SwiGLU of that size (the shared experts) adds its output for every token; biases: the router
+    and the experts have biases (gpt-oss, whose top-k-then-softmax equals softmax, top-k and renormalisation)."""
 
     def __init__(
         self,
@@ -188,12 +217,15 @@ class MoE(nn.Module):
         topk_group: int = 1,
         scaling: float = 1.0,
         shared_hidden: int = 0,
+        biases: bool = False,
+        swiglu_limit: float = 0.0,
+        swiglu_alpha: float = 1.702,
     ):
         super().__init__()
         self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
         self.score_func, self.n_group, self.topk_group, self.scaling = score_func, n_group, topk_group, scaling
-        self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = GroupedExperts(n_experts, dim, hidden)
+        self.router = nn.Linear(dim, n_experts, bias=biases)
+        self.experts = GroupedExperts(n_experts, dim, hidden, biases, swiglu_limit, swiglu_alpha)
         self.shared = FeedForward(dim, shared_hidden) if shared_hidden else None
         # aux_free's routing bias: state of the run, checkpointed with the model (zeros for the other modes)
         self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
@@ -211,10 +243,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         flat = x.reshape(-1, d)
-        weight = self.router.weight
+        weight, bias = self.router.weight, self.router.bias
         if self.tp_group is not None:
             weight = _SumGradOverGroup.apply(weight, self.tp_group)
-        logits = F.linear(flat.float(), weight.float())
+            bias = None if bias is None else _SumGradOverGroup.apply(bias, self.tp_group)
+        logits = F.linear(flat.float(), weight.float(), None if bias is None else bias.float())
         probs = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         # the routing bias (zeros unless aux_free moved it, or a DeepSeek-V3 folder's e_score_correction_bias)
         # chooses the experts, also after training; it never weights them

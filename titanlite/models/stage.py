@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.loss import summed_cross_entropy
-from titanlite.models.decoder import additive_mask
+from titanlite.models.layer_masks import additive_mask
 from titanlite.models.moe import CarryLoadStats, moe_layers, record_forward, stage_load_stats
 
 
@@ -67,7 +67,7 @@ class StageModule(nn.Module):
         if model.cp_group is not None:
             mask = additive_mask(mask, h.dtype)
         else:
-            rope, mask = model.training_rope_mask(positions, h.dtype)
+            rope, mask = model.training_rope_mask(positions, h.dtype, h.shape[1])
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         carrier = self._load_stats(carrier, x.shape[0], h.device) if model.args.moe else None
