@@ -157,6 +157,29 @@ def stale_copy(folder):
     shutil.copyfile(second_shard(folder), folder / "model-old.safetensors")
 
 
+def gpt_oss_mxfp4(blocks_shape):
+    """Setup: a tiny gpt-oss folder as {tmp}/hf whose experts are in MXFP4 (blocks and scales), the first layer's
+    gate_up_proj_blocks of blocks_shape."""
+
+    def setup(tmp):
+        from safetensors.torch import load_file, save_file
+
+        config = transformers.GptOssConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                                           num_local_experts=4, num_experts_per_tok=2, sliding_window=4)  # fmt: skip
+        transformers.GptOssForCausalLM(config).save_pretrained(tmp / "hf")
+        path = tmp / "hf" / "model.safetensors"
+        tensors = load_file(path)
+        for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+            e, cols, rows = tensors.pop(name).shape
+            shape = blocks_shape if name == "model.layers.0.mlp.experts.gate_up_proj" else (e, rows, cols // 32, 16)
+            tensors[name + "_blocks"] = torch.zeros(shape, dtype=torch.uint8)
+            tensors[name + "_scales"] = torch.full((e, rows, cols // 32), 127, dtype=torch.uint8)
+        save_file(tensors, path, metadata={"format": "pt"})
+
+    return setup
+
+
 def generate(checkpoint, *extra):
     return ("--checkpoint", checkpoint, *GEN, *extra)
 
@@ -177,6 +200,7 @@ DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek
                    q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
 GLM4_MOE = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
                 moe_intermediate_size=32)  # fmt: skip
+GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2)
 MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 CASES = [
     # HF config.json: missing, mistyped, foreign fields; not JSON; not an object
@@ -259,9 +283,12 @@ CASES = [
     Case("hf-glm4-moe-odd-partial-rotary", "hf", "config", check_hf("--model.name", "glm4_moe"),
          (HF_CONFIG, "partial_rotary_factor = 0.2", "= 3 features", "an even number"),
          hf(fields(**GLM4_MOE, partial_rotary_factor=0.2))),
-    Case("hf-gpt-oss-unsupported", "hf", "config", check_hf(),
-         (HF_CONFIG, "model_type 'gpt_oss' ['GptOssForCausalLM'], which titanlite does not implement"),
-         hf(fields(architectures=["GptOssForCausalLM"], model_type="gpt_oss"))),
+    Case("hf-gpt-oss-unknown-layer-type", "hf", "config", check_hf("--model.name", "gpt_oss"),
+         (HF_CONFIG, 'layer_types[1] = "chunked_attention" is not valid', "'sliding_attention' and 'full_attention'"),
+         hf(fields(**GPT_OSS, layer_types=["sliding_attention", "chunked_attention"]))),
+    Case("hf-gpt-oss-mxfp4-blocks-of-the-wrong-shape", "hf", "config", check_hf("--model.name", "gpt_oss"),
+         ("model.layers.0.mlp.experts.gate_up_proj_blocks has shape (4, 64, 2, 8)", "the model needs (4, 64, 2, 16)"),
+         gpt_oss_mxfp4(blocks_shape=(4, 64, 2, 8))),
     Case("hf-qwen3-moe-mlp-only-layer-out-of-range", "hf", "generate", generate(HF),
          (HF_CONFIG, "mlp_only_layers = [7]", "from 0 to num_hidden_layers - 1"),
          hf(fields(**QWEN3_MOE, mlp_only_layers=[7]))),

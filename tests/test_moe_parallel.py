@@ -1,6 +1,6 @@
 """Mixture of Experts at every topology (gloo, CPU): the same weights at step 0 and the same losses (fp32, 6 steps,
 1e-5) in one process, under FSDP, EP, HSDP x EP with accumulation and the delayed all-reduce, TP x EP, with each
-load-balancing mode, causal and block-causal, for Qwen3-MoE, DeepSeek-V3 and GLM-4.5; exact resume with the routing
+load-balancing mode, causal and block-causal, for Qwen3-MoE, DeepSeek-V3, GLM-4.5 and gpt-oss; exact resume with the routing
 bias (DeepSeek-V3's correction bias), and resume at another EP degree; HF import, export and generation under EP."""
 
 from dataclasses import replace
@@ -65,6 +65,13 @@ RUNS = [
     ("deepseek", 4, "deepseek_hsdp2x2_ep2_accum_delay",
      ("--training.local_batch_size", "1", *EP2, *REPLICATE2, "--parallelism.hsdp_delay_all_reduce")),
     ("glm", 4, "glm_fsdp2_tp2_ep2", ("--training.local_batch_size", "2", *TP2, *EP2)),
+    # gpt-oss (attention sinks, sliding-window and full blocks, q/k/v/o biases, a router with a bias, biased experts
+    # with the clamped SwiGLU)
+    ("gpt_oss", 2, "gpt_oss_ep2", ("--training.local_batch_size", "4", *EP2)),
+    ("gpt_oss", 2, "gpt_oss_tp2_ep2", ("--training.local_batch_size", "8", *TP2, *EP2)),
+    ("gpt_oss", 4, "gpt_oss_fsdp4_ep2_accum", ("--training.local_batch_size", "1", *EP2)),
+    ("gpt_oss", 4, "gpt_oss_hsdp2x2_ep2_accum_delay",
+     ("--training.local_batch_size", "1", *EP2, *REPLICATE2, "--parallelism.hsdp_delay_all_reduce")),
     ("block_causal", 4, "fsdp2_tp2_ep4_no_sp",
      ("--training.local_batch_size", "2", *TP2, "--parallelism.expert_parallel_degree", "4",
       "--parallelism.enable_sequence_parallel", "false")),
@@ -76,6 +83,7 @@ REFERENCES = {
     "block_causal": (*_mode("aux_loss"), *BLOCK),
     "deepseek": ("--model.name", "deepseek_v3", *_mode("aux_free")),
     "glm": ("--model.name", "glm4_moe", *_mode("aux_loss")),
+    "gpt_oss": ("--model.name", "gpt_oss", *_mode("aux_loss")),
 }
 
 

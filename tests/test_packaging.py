@@ -115,6 +115,7 @@ LAYERS = [
         "models.mixtral",
         "models.deepseek_v3",
         "models.glm4_moe",
+        "models.gpt_oss",
         "models.hf_routing",
     ),
     ("*",),  # components: models, data, checkpoint, parallel, metrics, ...

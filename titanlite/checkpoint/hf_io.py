@@ -25,17 +25,20 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.export_target import shown
+from titanlite.checkpoint.hf_folder import INDEX, check_hf_weights, read_hf_tensors, safetensors_module
+from titanlite.checkpoint.hf_fused_experts import fused_export_state, interleave, load_fused_experts
 from titanlite.checkpoint.safe_reading import load_metadata
 from titanlite.compat import consolidate_hf_safetensors, local_rows
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import config_from_args, generation_config
 from titanlite.models.hf_names import (
-    OUTPUT,
     expert_hf_names,
+    fused_hf_names,
     half_split_to_interleaved,
     hf_shapes,
     interleaved_to_half_split,
+    is_fused_expert,
     is_grouped_experts,
     is_routing_bias,
     rope_heads,
@@ -46,120 +49,8 @@ from titanlite.models.registry import FAMILIES
 
 logger = logging.getLogger("titanlite")
 
-INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3  # HF's default shard size
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)  # buffers some old exports store
-
-
-def _safetensors():
-    try:
-        import safetensors.torch  # lazy: an optional package (pip install safetensors), HF folders only
-
-        return safetensors
-    except ImportError as e:
-        raise ConfigError(
-            "reading or writing HuggingFace weights needs the safetensors package: pip install safetensors"
-        ) from e
-
-
-def read_index(folder: pathlib.Path) -> dict[str, str] | None:
-    """The weight_map (tensor name -> file name) of a folder's model.safetensors.index.json, None without one;
-    ConfigError naming the index when it is not JSON, has no weight_map, or names a file that is not there."""
-    path = folder / INDEX
-    if not path.is_file():
-        return None
-    expected = 'a JSON object {"weight_map": {tensor name: file name}} as save_pretrained writes'
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} cannot be read as JSON ({e}); expected {expected}") from None
-    weights = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weights, dict) or not all(
-        isinstance(v, str) and pathlib.PurePath(v).name == v for v in weights.values()
-    ):
-        raise ConfigError(f"{path} has no valid weight_map; expected {expected}, file names without folders")
-    absent = sorted({f for f in weights.values() if not (folder / f).is_file()})
-    if absent:
-        first = next(n for n, f in weights.items() if f == absent[0])
-        raise ConfigError(
-            f"{path} names {len(absent)} file(s) that are not in {folder}: {', '.join(absent[:3])} (with {first}, "
-            "...); download or copy the missing files"
-        )
-    return weights
-
-
-def read_hf_tensors(folder: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor in a folder's *.safetensors files: name -> (file name, shape); ConfigError for a bad file,
-    a tensor in two files, or an index that does not say where the tensors are."""
-    st = _safetensors()
-    weights = read_index(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(
-            f"{folder} has no *.safetensors file (HF weights are model.safetensors, or "
-            f"model-0000N-of-0000M.safetensors with {INDEX})"
-        )
-    out = {}
-    for f in files:
-        try:
-            with st.safe_open(str(f), framework="pt") as h:
-                found = {key: tuple(h.get_slice(key).get_shape()) for key in h.keys()}
-        except Exception as e:  # safetensors raises its own SafetensorError for truncated or foreign files
-            raise ConfigError(
-                f"{f} is not a readable safetensors file ({type(e).__name__}: {e}); it may be "
-                f"truncated: download or export it again"
-            ) from None
-        for key, shape in found.items():
-            if key in out:  # every file is read: which copy would load is a matter of chance
-                raise ConfigError(
-                    f"{folder}: tensor {key} is in both {out[key][0]} and {f.name}; remove the stale file"
-                    + (f" ({INDEX} names {weights[key]})" if weights and key in weights else "")
-                )
-            out[key] = (f.name, shape)
-    for key, name in (weights or {}).items():
-        if key not in out or out[key][0] != name:
-            where = f"it is in {out[key][0]}" if key in out else "no file holds it"
-            raise ConfigError(f"{folder / INDEX} says {key} is in {name}, but {where}; the folder is inconsistent")
-    return out
-
-
-def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> None:
-    """ConfigError naming every missing, unexpected or mis-shaped tensor of a folder for this model shape."""
-    found, expected = read_hf_tensors(folder), hf_shapes(args)
-    missing = [n for n in expected if n not in found]
-    mtp = FAMILIES[args.family].hf.mtp_keys  # multi-token-prediction layers after the model's: skipped
-    unexpected = [
-        n
-        for n in found
-        if n not in expected
-        and not n.endswith(IGNORED_HF_TENSORS)
-        and not (n == OUTPUT and args.tie_embeddings)
-        and not (mtp and _layer_index(n) >= args.n_layers)
-    ]
-    wrong = [
-        f"{n} has shape {found[n][1]} in {found[n][0]} but the model needs {expected[n]}"
-        for n in expected
-        if n in found and found[n][1] != expected[n]
-    ]
-    problems = []
-    for what, items in (("missing tensors", missing), ("unexpected tensors", unexpected), ("wrong shapes", wrong)):
-        if items:
-            more = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
-            problems.append(f"{what}: {'; '.join(items[:5])}{more}")
-    if problems:
-        raise ConfigError(
-            f"{folder} does not fit the model ({FAMILIES[args.family].hf.architecture}: dim {args.dim}, "
-            f"{args.n_layers} layers, vocab {args.vocab_size}, tied embeddings {args.tie_embeddings}, qk-norm "
-            f"{args.qk_norm}, q/k/v biases {args.qkv_bias}): {' | '.join(problems)}; are these tensors of "
-            f"another family than its config.json says?"
-        )
-
-
-def _layer_index(hf_name: str) -> int:
-    """The block a HF tensor belongs to (model.layers.<i>.), -1 for the others."""
-    parts = hf_name.split(".")
-    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
 
 
 def _whole_rows(t: DTensor) -> list:
@@ -220,7 +111,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     sd = get_model_state_dict(model)
     dest, permuted, grouped = {}, {}, {}
     for name, t in sd.items():
-        if not stored_in_hf(name, args):
+        if not stored_in_hf(name, args) or is_fused_expert(name, args):  # fused: read below
             continue
         if is_grouped_experts(name):  # this rank reads only the experts it holds (whole ones, HF's [out, in])
             first, count = local_rows(t)
@@ -236,6 +127,8 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
+    if fused_hf_names(args):
+        load_fused_experts(sd, folder, args, read_hf_tensors(folder))
     for name, names in grouped.items():
         local = sd[name].to_local() if isinstance(sd[name], DTensor) else sd[name]
         for j, hf in enumerate(names):
@@ -319,7 +212,7 @@ def save_hf_sharded(
     from torch.distributed.checkpoint import HuggingFaceStorageWriter  # needs safetensors: checked below
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    _safetensors()
+    safetensors_module()
     out = pathlib.Path(out)
     args = model.args
     state = {}
@@ -327,8 +220,9 @@ def save_hf_sharded(
     warn_dropped_routing_bias(
         {n: t for n, t in model_state.items() if is_routing_bias(n) and not stored_in_hf(n, args)}, out
     )
+    state.update(fused_export_state(model_state, args, dtype))
     for name, t in model_state.items():
-        if not stored_in_hf(name, args):
+        if not stored_in_hf(name, args) or is_fused_expert(name, args):
             continue
         t = t.detach().to(torch.float32 if is_routing_bias(name) else dtype)  # fp32 as the HF classes keep it
         if is_grouped_experts(name):  # each rank writes the experts it holds, one HF tensor each
@@ -372,7 +266,7 @@ def export_hf(
 ) -> int:
     """Write a DCP checkpoint's model as a HF folder, one output file's tensors in memory at a time (one
     process); returns the number of tensors."""
-    st = _safetensors()
+    st = safetensors_module()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = load_metadata(checkpoint).state_dict_metadata
@@ -386,11 +280,13 @@ def export_hf(
     try:  # HF name -> (saved name, expert or None)
         names = {}
         for n in saved:
-            if stored_in_hf(n, args):
+            if stored_in_hf(n, args) and not is_fused_expert(n, args):
                 if is_grouped_experts(n):
                     names.update({hf: (n, e) for e, hf in enumerate(expert_hf_names(n, args))})
                 else:
                     names[to_hf_name(n, args)] = (n, None)
+        fused = fused_hf_names(args).items()  # each from several saved tensors
+        names.update({hf: (parts, None) for hf, parts in fused if all(p in saved for p in parts)})
     except KeyError as e:
         raise ConfigError(
             f"{checkpoint} holds a tensor that no HF architecture of titanlite has ({e.args[0]})"
@@ -420,13 +316,16 @@ def export_hf(
     weight_map, total = {}, 0
     for index in range(1, files + 1):
         group = [hf for hf, i in mapping.items() if i == index]
-        needed = {names[hf][0] for hf in group}  # a grouped expert weight may be read for two files
+        needed = {n for hf in group for n in _tuple(names[hf][0])}  # a grouped expert weight may be read for two files
         dest = {prefix + n: torch.empty(saved[n].size, dtype=saved[n].properties.dtype) for n in needed}
         read_in_this_process(dest, checkpoint)
         tensors = {}
         for hf in group:
             name, expert = names[hf]
-            t = dest[prefix + name] if expert is None else dest[prefix + name][expert].T
+            if isinstance(name, tuple):  # a fused expert tensor
+                t, name = interleave([dest[prefix + n] for n in name]), name[0]
+            else:
+                t = dest[prefix + name] if expert is None else dest[prefix + name][expert].T
             t = t.to(dtype) if dtype is not None and t.is_floating_point() and not is_routing_bias(name) else t
             heads = rope_heads(name, args)
             tensors[hf] = (interleaved_to_half_split(t, heads, args.rope_dim) if heads else t).contiguous()
@@ -440,3 +339,7 @@ def export_hf(
         out, args, str(dtype or next(iter(saved.values())).properties.dtype).removeprefix("torch."), tokenizer
     )
     return len(weight_map)
+
+
+def _tuple(names) -> tuple:
+    return names if isinstance(names, tuple) else (names,)

@@ -44,6 +44,10 @@ class HFExperts:
     # the HF name of the routing bias that chooses experts ("mlp.gate.e_score_correction_bias"); None: the class has
     # none (an aux_free bias is then left out of exports)
     routing_bias: str | None = None
+    router_bias: str | None = None  # the HF name of the router's bias (gpt-oss: "mlp.router.bias"); None: it has none
+    # HF tensors that each hold every expert of a layer (gpt-oss), in place of `weights`: HF name inside a layer ->
+    # the titanlite expert tensors it holds, interleaved along its last dimension (one: the tensor itself)
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

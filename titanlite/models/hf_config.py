@@ -280,6 +280,13 @@ ROUTING_AND_MLA_FIELDS = (
     "qk_rope_head_dim",
     "v_head_dim",
     "partial_rotary_factor",
+    "attention_sinks",
+    "sliding_window",
+    "sliding_layers",
+    "out_bias",
+    "expert_biases",
+    "swiglu_limit",
+    "swiglu_alpha",
 )
 
 

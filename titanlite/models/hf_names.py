@@ -28,6 +28,8 @@ _LAYER_NAMES = {
     "attention.wq.bias": "self_attn.q_proj.bias",
     "attention.wk.bias": "self_attn.k_proj.bias",
     "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.sinks": "self_attn.sinks",
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention.q_a_proj.weight": "self_attn.q_a_proj.weight",
@@ -62,6 +64,8 @@ def _expert_names(args: ModelArgs) -> dict[str, str]:
     names.update({f"feed_forward.experts.{w}": hf for w, hf in experts.weights.items()})
     if experts.routing_bias:
         names["feed_forward.expert_bias"] = experts.routing_bias
+    if experts.router_bias:
+        names["feed_forward.router.bias"] = experts.router_bias
     return names
 
 
@@ -90,6 +94,46 @@ def routing_bias_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {f"layers.{i}.feed_forward.expert_bias": (args.n_experts,) for i in args.moe_layers}
 
 
+def fused_experts(args: ModelArgs) -> dict[str, tuple[str, ...]]:
+    """A family whose HF tensors each hold every expert of a layer (gpt-oss): HF name inside a layer -> the titanlite
+    expert tensors it interleaves (HFExperts.fused); empty for the others."""
+    return FAMILIES[args.family].hf.experts.fused if args.moe else {}
+
+
+def fused_hf_names(args: ModelArgs) -> dict[str, tuple[str, ...]]:
+    """HF name -> the state-dict names it interleaves, for every fused expert tensor of the model (none when the
+    family stores one tensor per expert)."""
+    fused = fused_experts(args)
+    return {
+        f"model.layers.{i}.{hf}": tuple(f"layers.{i}.feed_forward.experts.{p}" for p in parts)
+        for i in args.moe_layers
+        for hf, parts in fused.items()
+    }
+
+
+def is_fused_expert(name: str, args: ModelArgs) -> bool:
+    """Whether a state-dict entry is part of a fused HF expert tensor (gpt-oss's experts and their biases)."""
+    return bool(fused_experts(args)) and ".feed_forward.experts." in name
+
+
+MXFP4_GROUP = 32  # values per scale of an MXFP4 tensor (16 bytes of two 4-bit values)
+
+
+def quantized_variants(expected: dict, found: dict, args: ModelArgs) -> dict:
+    """The tensors a folder should hold: `expected`, but where the folder stores a fused expert weight in MXFP4
+    (published gpt-oss: <name>_blocks [experts, out, in / 32, 16] uint8 and <name>_scales [experts, out, in / 32]),
+    those two in its place."""
+    out = dict(expected)
+    for hf in fused_hf_names(args):
+        shape = expected[hf]
+        if len(shape) == 3 and hf + "_blocks" in found:
+            e, rows, cols = shape
+            del out[hf]
+            groups = rows // MXFP4_GROUP
+            out[hf + "_blocks"], out[hf + "_scales"] = (e, cols, groups, MXFP4_GROUP // 2), (e, cols, groups)
+    return out
+
+
 def is_grouped_experts(name: str) -> bool:
     """Whether a parameter holds every expert of a layer, [experts, in, out] (HF keeps one [out, in] per expert)."""
     return ".feed_forward.experts.w" in name
@@ -105,8 +149,12 @@ def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor a HF checkpoint of this shape holds, with its shape (no lm_head when tied; one tensor per
     expert)."""
     out = {}
-    for name, shape in (args.parameter_shapes() | routing_bias_shapes(args)).items():
-        if name in args.tied_copies():
+    shapes = args.parameter_shapes() | routing_bias_shapes(args)
+    for hf, parts in fused_hf_names(args).items():  # their last dimensions side by side
+        first = shapes[parts[0]]
+        out[hf] = (*first[:-1], first[-1] * len(parts))
+    for name, shape in shapes.items():
+        if name in args.tied_copies() or is_fused_expert(name, args):
             continue
         if is_grouped_experts(name):
             out.update({hf: (shape[2], shape[1]) for hf in expert_hf_names(name, args)})

@@ -11,7 +11,7 @@ import importlib
 import pathlib
 
 from titanlite.errors import ConfigError
-from titanlite.models import deepseek_v3, glm4_moe, llama3, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from titanlite.models import deepseek_v3, glm4_moe, gpt_oss, llama3, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from titanlite.models.args import ModelArgs, RopeScaling
 from titanlite.models.family import Family
 from titanlite.models.hf_config import (
@@ -38,6 +38,7 @@ FAMILIES: dict[str, Family] = {
         mixtral.FAMILY,
         deepseek_v3.FAMILY,
         glm4_moe.FAMILY,
+        gpt_oss.FAMILY,
     )
 }
 
