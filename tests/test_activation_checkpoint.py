@@ -266,8 +266,9 @@ def test_selective_ac_of_moe_blocks_with_sharded_experts(tmp_path):
         assert all(abs(losses[k] - ref[k]) < 1e-6 for k in ref), (ac, losses, ref)
 
 
-# DeepSeek-V3's blocks (latent attention, a dense first block, shared experts, group-limited sigmoid routing) and
-# GLM-4.5's (partial rotary, q/k/v biases, q/k norms, shared experts)
+# DeepSeek-V3's blocks (latent attention, a dense first block, shared experts, group-limited sigmoid routing),
+# GLM-4.5's (partial rotary, q/k/v biases, q/k norms, shared experts) and gpt-oss's (sinks, sliding windows, biased
+# experts with the clamped SwiGLU)
 FRONTIER = {
     "deepseek_v3": dict(MOE, score_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
                         n_shared_experts=1, dense_layers=(0,), q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -276,13 +277,16 @@ FRONTIER = {
                                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128),
     "glm4_moe": dict(MOE, score_func="sigmoid", n_shared_experts=1, dense_layers=(0,), partial_rotary_factor=0.5,
                      qkv_bias=True, qk_norm=True, intermediate_size=128),
+    "gpt_oss": dict(MOE, attention_sinks=True, sliding_window=16, sliding_layers=(0, 2), qkv_bias=True, out_bias=True,
+                    expert_biases=True, swiglu_limit=7.0),
 }  # fmt: skip
 
 
 @pytest.mark.slow  # the fast loop has the formula's other families; these add seconds, not a new kind of check
 @pytest.mark.parametrize(
     "family, dtype",
-    [("deepseek_v3_no_q_lora", torch.float32), ("deepseek_v3", torch.bfloat16), ("glm4_moe", torch.float32)],
-)
-def test_activation_estimate_matches_measured_peak_of_deepseek_and_glm_blocks(family, dtype):
+    [("deepseek_v3_no_q_lora", torch.float32), ("deepseek_v3", torch.bfloat16), ("glm4_moe", torch.float32),
+     ("gpt_oss", torch.float32), ("gpt_oss", torch.bfloat16)],
+)  # fmt: skip
+def test_activation_estimate_matches_measured_peak_of_frontier_moe_blocks(family, dtype):
     _assert_estimate_close({name: _step(_args(**FRONTIER[family]), name, dtype, seq=256) for name in MODES})

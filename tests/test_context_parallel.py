@@ -19,6 +19,7 @@ CP = ("--parallelism.context_parallel_degree",)
 BLOCK = ("--model.attention", "block_causal")
 MOE = ("--model.name", "qwen3_moe", "--moe.load_balance", "aux_loss")  # statistics summed over the cp (x tp) ranks
 EP2 = ("--parallelism.expert_parallel_degree", "2")
+GPT_OSS = ("--model.name", "gpt_oss", "--moe.load_balance", "aux_loss", *BLOCK)
 
 
 def _full(t):
@@ -58,6 +59,8 @@ RUNS = [  # (reference, world, name, argv)
     ("one_moe", 4, "fsdp2_cp2_ep2_moe", ("--training.local_batch_size", "4", *CP, "2", *MOE, *EP2)),
     ("one_moe", 4, "cp2_tp2_moe", ("--training.local_batch_size", "8", *CP, "2", *MOE,
                                    "--parallelism.tensor_parallel_degree", "2")),
+    # gpt-oss: sliding windows of 4 across the chunk boundaries, sinks, block-causal, experts split over the cp ranks
+    ("one_gpt_oss", 2, "cp2_ep2_gpt_oss_block", ("--training.local_batch_size", "8", *CP, "2", *GPT_OSS, *EP2)),
     ("one", 4, "cp2_tp2", ("--training.local_batch_size", "8", *CP, "2", "--parallelism.tensor_parallel_degree", "2")),
     ("one_block", 4, "hsdp2_cp2_block", ("--training.local_batch_size", "4", *CP, "2", *BLOCK,
                                          "--parallelism.data_parallel_replicate_degree", "2")),
@@ -72,6 +75,7 @@ def test_same_losses_and_gradients_at_every_cp_topology(tmp_path):
         ("one", ("--training.local_batch_size", "8")),
         ("one_block", ("--training.local_batch_size", "8", *BLOCK)),
         ("one_moe", ("--training.local_batch_size", "8", *MOE)),
+        ("one_gpt_oss", ("--training.local_batch_size", "8", *GPT_OSS)),
     ]
     results = run_distributed(_train, 1, str(tmp_path / "1"), refs)[0]
     for world in (2, 4):

@@ -138,7 +138,7 @@ def test_attention_with_sinks_equals_the_softmax_with_a_sink_column(kind):
     if kind == "sliding_mask":
         args = ModelArgs(sliding_window=5, sliding_layers=(0,), attention_sinks=True)
         near &= torch.arange(12)[None, :] > queries - 5
-        ours = attend_with_sinks(q, k, v, sinks, layer_masks(args, None, 0, 12, None, torch.float32).sliding)
+        ours = attend_with_sinks(q, k, v, sinks, layer_masks(args, None, torch.arange(12), 12, torch.float32).sliding)
     else:
         ours = attend_with_sinks(q, k, v, sinks, causal=kind == "causal")
     expected = _with_sink_column(q, k, v, sinks, near)

@@ -1,7 +1,8 @@
 """Mixture of Experts at every topology (gloo, CPU): the same weights at step 0 and the same losses (fp32, 6 steps,
 1e-5) in one process, under FSDP, EP, HSDP x EP with accumulation and the delayed all-reduce, TP x EP, with each
-load-balancing mode, causal and block-causal, for Qwen3-MoE, DeepSeek-V3, GLM-4.5 and gpt-oss; exact resume with the routing
-bias (DeepSeek-V3's correction bias), and resume at another EP degree; HF import, export and generation under EP."""
+load-balancing mode, causal and block-causal, for Qwen3-MoE, DeepSeek-V3, GLM-4.5 and gpt-oss; exact resume with the
+routing bias (DeepSeek-V3's correction bias), and resume at another EP degree; HF import, export and generation under
+EP."""
 
 from dataclasses import replace
 

@@ -1,8 +1,8 @@
 """The parity matrix of pipeline parallelism composed with the other kinds (fp32, gloo, 6 steps): the same losses and
 gradient norms (1e-5) as one process for PP(2) x CP(2), PP(2) x FSDP(2) x EP(2) with an MoE's aux loss (and
 exact resume, and a one-process checkpoint resumed there), PP(2) x FSDP(2) with aux-loss-free balancing and
-interleaved stages, PP(2) x FSDP(2) with LoRA, and PP(2) x FSDP(2) of DeepSeek-V3 with a stage of its dense block
-only. Each case asserts that the combination really ran (stages,
+interleaved stages, PP(2) x FSDP(2) with LoRA, PP(2) x FSDP(2) of DeepSeek-V3 with a stage of its dense block
+only, and PP(2) x FSDP(2) x EP(2) of gpt-oss. Each case asserts that the combination really ran (stages,
 experts per rank, cp, what trains). Tied embeddings under pp: tests/test_pipeline.py; fault-tolerant groups with
 MoE, CP, LoRA and pp: tests/test_fault_tolerance.py.
 
@@ -23,6 +23,8 @@ FREE = (*MOE, "--moe.load_balance", "aux_free")
 # DeepSeek-V3 with its dense first block alone on the first stage: those ranks hold no MoE block, pass the aux loss's
 # statistics on and still join the step's sums over the ranks
 DEEPSEEK = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--moe.load_balance", "aux_loss")
+# gpt-oss: sinks and sliding windows of 4 on each stage, biased experts split over ep
+GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "tiny", "--moe.load_balance", "aux_loss")
 DENSE_STAGE = ("--parallelism.pipeline_parallel_layers_per_stage", "1,5")
 CP2 = ("--parallelism.context_parallel_degree", "2")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
@@ -64,6 +66,7 @@ def test_pipeline_composes_with_moe_ep_cp_and_lora(tmp_path):
             ("moe", moe, (*AUX, *CKPT)),
             ("free", free, FREE),
             ("deepseek", tmp_path / "ds", DEEPSEEK),
+            ("gpt_oss", tmp_path / "go", GPT_OSS),
         ],
         [],
     )[0]
@@ -80,6 +83,7 @@ def test_pipeline_composes_with_moe_ep_cp_and_lora(tmp_path):
             ("free_interleaved", tmp_path / "fi", (*_pp("Interleaved1F1B"), *FREE)),
             ("lora", tmp_path / "pl", (*_pp("1F1B"), *_lora(base), *CKPT)),
             ("deepseek_dense_stage", tmp_path / "pds", (*_pp("1F1B"), *DEEPSEEK, *DENSE_STAGE)),
+            ("gpt_oss_ep", tmp_path / "pgo", (*_pp("1F1B"), *GPT_OSS, *EP2)),
         ],
         [(ep / "checkpoint" / "step-3", tmp_path / "ep_resumed" / "checkpoint")],
     )[-1]  # a last stage's rank: its logged losses are the global ones
@@ -90,10 +94,11 @@ def test_pipeline_composes_with_moe_ep_cp_and_lora(tmp_path):
         ("free_interleaved", "free"),
         ("lora", "lora"),
         ("deepseek_dense_stage", "deepseek"),
+        ("gpt_oss_ep", "gpt_oss"),
     ):
         # an MoE's gradient norm: 1e-4, as tests/test_moe_parallel.py's gradients (top-k routing amplifies fp32
         # reduction-order noise; PP(2) x FSDP(2) with aux_free measured 1.6e-5 at step 9)
-        moe = "moe" in ref or ref in ("free", "deepseek")
+        moe = "moe" in ref or ref in ("free", "deepseek", "gpt_oss")
         _same(four[name], refs[ref], name, STEP_RANGE, norm_tol=1e-4 if moe else None)
         assert four[name]["stages"] >= 2, name
     assert four["free_interleaved"]["stages"] == 4  # 2 stages per rank

@@ -337,7 +337,8 @@ class ModelArgs:
 
             no AC                 fp32 router input and probabilities (4*dim + 4*E), the top_k slots' indices and
                                   weights, and per slot the experts' input, w1, silu, w3 outputs and their
-                                  product, and the output: top_k * (2*dim + 4*h + 1) * a
+                                  product, and the output: top_k * (2*dim + 4*h + 1) * a (gpt-oss's clamped SwiGLU:
+                                  5*h, its inputs and two temporaries of its backward)
             selective 'op'        the router's logits and the grouped matmuls' outputs: 4*E + top_k*(2*h + dim)*a
             'op', every second    the router's logits (5th matmul of the block) and w3's output (7th)
         """
@@ -359,6 +360,8 @@ class ModelArgs:
         lse = 4 * heads + 4 * kv * act_bytes * (cp - 1)
         # attention's matmul outputs and what it keeps (q, k, v, its output): (none, op, every second) per token
         attention = ((2 * q + 2 * kv) * a, (2 * q + 2 * kv) * a, (2 * q + kv) * a)
+        if self.attention_sinks:  # q, k, v and the output 8 features wider (models/sinks.py), and a copy of the output
+            attention = ((2 * q + 2 * kv) * a * (self.head_dim + 8) / self.head_dim + q * a, *attention[1:])
         if self.mla:
             rq, r, rope, vd = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.value_dim
             kv_b = heads * (self.qk_nope_head_dim + vd)
@@ -403,7 +406,7 @@ class ModelArgs:
         with expert parallelism a rank keeps them for the tokens it receives, top_k per routed token on average)."""
         k, h, d, a = self.top_k, self.moe_hidden_dim, self.dim, act_bytes
         return {
-            "none": k * a * (2 * d + 4 * h + 1) / tp,
+            "none": k * a * (2 * d + (5 if self.swiglu_limit else 4) * h + 1) / tp,  # clamped: backward's temporaries
             "full": 0.0,
             "op": k * a * (2 * h + d) / tp,
             "op_every_second": k * h * a / tp,

@@ -23,7 +23,7 @@ from titanlite.models.chunked_loss import chunked_linear_cross_entropy
 from titanlite.models.context_parallel import cp_attention_mask, gather_sequence, inverse_order, local_index
 from titanlite.models.feed_forward import FeedForward
 from titanlite.models.kv_cache import KVCache, LayerKV
-from titanlite.models.layer_masks import additive_mask, block_mask, layer_masks
+from titanlite.models.layer_masks import block_mask, layer_masks, needs_sdpa_masks
 from titanlite.models.lora import adapter_init, is_adapter
 from titanlite.models.mla import LatentAttention
 from titanlite.models.moe import MoE, aux_loss_sum, moe_layers, record_forward
@@ -185,22 +185,22 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits (batch, positions, vocab); the summed loss when given labels; last_only: the logits of the last
         position alone (generation's next token: a long prompt never makes the whole (prompt x vocab) logits)."""
-        rope, mask, start = self.rope, None, 0
+        rope, mask, n_keys = self.rope, None, tokens.shape[1]
+        queries = torch.arange(n_keys, device=tokens.device)
         if self.cp_group is not None and cache is None:  # this rank's two chunks of every sequence
-            tokens, labels, rope, mask = self._context_parallel_part(tokens, labels, positions)
+            queries, rope, mask = self.context_parallel_view(tokens.shape[1], tokens.device, positions)
+            tokens, labels = tokens[:, queries], None if labels is None else labels[:, queries]
         elif cache is not None:
             if positions is not None:
                 raise ValueError("forward with a KV cache takes no positions: the tokens follow the cache's offset")
             n = tokens.shape[1]
             start = cache.begin(n)
             rope, mask = self.rope[start : start + n], cached_attention_mask(start, n, tokens.device)
+            queries, n_keys = queries + start, start + n
         elif positions is not None and self.args.attention == "block_causal":
             rope, mask = self._block_causal(positions)
         h = self.tok_embeddings(tokens)
-        if self.cp_group is not None and cache is None:
-            mask = additive_mask(mask, h.dtype)
-        else:  # a mask per kind of block (sliding windows, sinks)
-            mask = layer_masks(self.args, mask, start, tokens.shape[1], tokens.device, h.dtype)
+        mask = layer_masks(self.args, mask, queries, n_keys, h.dtype)  # per kind of block (sliding windows, sinks)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache.layers[i])
         if cache is not None:
@@ -221,12 +221,12 @@ class Transformer(nn.Module):
         rope, mask = self.rope, None
         if positions is not None and self.args.attention == "block_causal":
             rope, mask = self._block_causal(positions)
-        return rope, layer_masks(self.args, mask, 0, seq_len, self.rope.device, dtype)
+        return rope, layer_masks(self.args, mask, torch.arange(seq_len, device=self.rope.device), seq_len, dtype)
 
     def _block_causal(self, positions: torch.Tensor):
         """The rotations by document position and the block-causal mask (SDPA's for sliding windows and sinks)."""
-        plain = not (self.args.sliding_layers or self.args.attention_sinks)
-        return self.rope[positions], block_causal_mask(positions, self.attention_kernel if plain else "sdpa")
+        kernel = "sdpa" if needs_sdpa_masks(self.args) else self.attention_kernel
+        return self.rope[positions], block_causal_mask(positions, kernel)
 
     cp_group = None  # context parallelism (set_context_parallel): forward computes this rank's part of sequences
 
@@ -239,11 +239,6 @@ class Transformer(nn.Module):
         for m in moe_layers(self):
             m.sequence_group = sequence_group or group
 
-    def _context_parallel_part(self, tokens, labels, positions):
-        """This cp rank's tokens and labels, their rotations, and its queries' mask over the whole sequence."""
-        index, rope, mask = self.context_parallel_view(tokens.shape[1], tokens.device, positions)
-        return tokens[:, index], None if labels is None else labels[:, index], rope, mask
-
     def context_parallel_view(self, seq_len: int, device, positions):
         """(the positions of this cp rank's two chunks of a sequence of seq_len, their rotations, its queries' mask
         over the whole sequence); the attention of every block here gathers keys and values in sequence order."""
@@ -255,7 +250,8 @@ class Transformer(nn.Module):
                 layer.attention.cp_inverse = inverse
         block = positions is not None and self.args.attention == "block_causal"
         rope = self.rope[positions[:, index]] if block else self.rope[index]
-        return index, rope, cp_attention_mask(index, seq_len, positions if block else None, self.attention_kernel)
+        kernel = "sdpa" if needs_sdpa_masks(self.args) else self.attention_kernel
+        return index, rope, cp_attention_mask(index, seq_len, positions if block else None, kernel)
 
     @property
     def loss_chunk_tokens(self) -> int:

@@ -20,15 +20,14 @@ class LayerMasks(NamedTuple):
     sliding: object
 
 
-def layer_masks(args: ModelArgs, mask, offset: int, n: int, device, dtype: torch.dtype | None):
-    """The mask each block gets, from the full-attention mask of n queries at positions offset.. over the offset + n
-    keys (None: causal, or every key for one query of a cache): that mask for a model without sliding-window blocks,
-    else LayerMasks. dtype: a boolean mask becomes additive in it (None: kept boolean)."""
+def layer_masks(args: ModelArgs, mask, queries: torch.Tensor, n_keys: int, dtype: torch.dtype | None):
+    """The mask each block gets, from the full-attention mask of queries at global positions `queries` (1-D) over
+    keys 0 .. n_keys - 1 (None: causal, or every key for one query of a cache): that mask for a model without
+    sliding-window blocks, else LayerMasks. dtype: a boolean mask becomes additive in it (None: kept boolean)."""
     sliding = None
-    if args.sliding_layers and offset + n > args.sliding_window:  # some query has more keys than its window
-        queries = torch.arange(offset, offset + n, device=device)[:, None]
-        keys = torch.arange(offset + n, device=device)[None, :]
-        near = (keys <= queries) & (keys > queries - args.sliding_window)
+    if args.sliding_layers and n_keys > args.sliding_window:  # some query has more keys than its window
+        keys = torch.arange(n_keys, device=queries.device)[None, :]
+        near = (keys <= queries[:, None]) & (keys > queries[:, None] - args.sliding_window)
         sliding = near[None, None] if mask is None else mask & near
     if args.attention_sinks:
         mask, sliding = sink_column(mask), sink_column(sliding)
@@ -36,6 +35,12 @@ def layer_masks(args: ModelArgs, mask, offset: int, n: int, device, dtype: torch
     if not args.sliding_layers:
         return mask
     return LayerMasks(mask, mask if sliding is None else sliding)
+
+
+def needs_sdpa_masks(args: ModelArgs) -> bool:
+    """Whether the masks must be SDPA's boolean ones (sliding windows and sinks are added to them), not FlexAttention
+    block masks."""
+    return bool(args.sliding_layers) or args.attention_sinks
 
 
 def block_mask(masks, sliding: bool):

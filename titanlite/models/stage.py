@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.loss import summed_cross_entropy
-from titanlite.models.layer_masks import additive_mask
+from titanlite.models.layer_masks import layer_masks
 from titanlite.models.moe import CarryLoadStats, moe_layers, record_forward, stage_load_stats
 
 
@@ -60,12 +60,13 @@ class StageModule(nn.Module):
         summed loss."""
         model = self._model[0]
         if model.cp_group is not None:  # context parallelism: this rank's two chunks of every sequence
-            index, rope, mask = model.context_parallel_view(labels.shape[1], labels.device, positions)
+            seq_len = labels.shape[1]
+            index, rope, mask = model.context_parallel_view(seq_len, labels.device, positions)
             x = x[:, index] if self.tok_embeddings is not None else x  # later stages get the chunks' hidden states
             labels = labels[:, index]
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if model.cp_group is not None:
-            mask = additive_mask(mask, h.dtype)
+            mask = layer_masks(model.args, mask, index, seq_len, h.dtype)
         else:
             rope, mask = model.training_rope_mask(positions, h.dtype, h.shape[1])
         for layer in self.layers.values():

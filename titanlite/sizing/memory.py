@@ -132,6 +132,8 @@ def block_bytes(
             for mode, experts in args.expert_activation_bytes(act_bytes, tp).items():
                 per_block[mode] += experts * (EP_IMBALANCE - 1)
             transient = args.exchange_bytes(act_bytes, tp)
+        if args.attention_sinks:  # attention's backward holds the gradients of its 8-features-wider q, k, v, output
+            transient += 2 * (args.n_heads + args.kv_heads) // tp * (args.head_dim + 8) * act_bytes
         op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
         wrapped_kept = op if op_sac else per_block["full"]
         kept.append(int(tokens * (wrapped_kept if i in wrapped else per_block["none"])))
