@@ -36,6 +36,7 @@ SKIP = {
     "RDZV_ENDPOINT=node0:29500 ./run_train.sh --config qwen3_8b_finetune": "reads /models/Qwen3-8B, absent here",
     "NGPU=8 ./run_train.sh --config qwen3_30b_a3b_finetune  ": "reads /models/Qwen3-30B-A3B, absent here",
     "NGPU=8 ./run_train.sh --config moonlight_16b_finetune  ": "reads /models/Moonlight-16B-A3B, absent here",
+    "NGPU=8 ./run_train.sh --config gpt_oss_20b_finetune  ": "reads /models/gpt-oss-20b, absent here",
     "./run_train.sh --config qwen3_8b_lora   ": "its base is /models/Qwen3-8B, absent here (its dry run is checked)",
     "--checkpoint.initial_load_path /models/": "needs a downloaded HF model folder under /models/",
     "--checkpoint.initial_load_path model.pt": "model.pt is what the export command before it writes",

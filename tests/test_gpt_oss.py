@@ -186,16 +186,16 @@ def test_mxfp4_dequantization_is_transformers():
         assert torch.equal(ours, expected)
 
 
-def test_an_mxfp4_folder_loads_its_experts_dequantized(tmp_path):
-    """A folder as gpt-oss is published (experts in MXFP4, quantization_config mxfp4) gives the logits of the model
-    holding the dequantized weights."""
+def mxfp4_folder(folder, seed: int = 0):
+    """A random gpt-oss folder as gpt-oss is published (its experts in MXFP4, quantization_config mxfp4), and the
+    transformers model holding the dequantized weights (transformers' own dequantization)."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    hf = hf_gpt_oss(tmp_path / "hf")
-    g = torch.Generator().manual_seed(1)
-    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
-    for path in (tmp_path / "hf").glob("*.safetensors"):
+    hf = hf_gpt_oss(folder, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    for path in folder.glob("*.safetensors"):
         tensors = load_file(path)
         for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
             blocks, scales = _mxfp4(tensors.pop(name).shape, g)
@@ -204,12 +204,18 @@ def test_an_mxfp4_folder_loads_its_experts_dequantized(tmp_path):
             index["weight_map"].update({name + "_blocks": file, name + "_scales": file})
             hf.get_parameter(name).data.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
         save_file(tensors, path, metadata={"format": "pt"})
-    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(config))
+    return hf
+
+
+def test_an_mxfp4_folder_loads_its_experts_dequantized(tmp_path):
+    """Its logits are those of the model holding the dequantized weights."""
+    hf = mxfp4_folder(tmp_path / "hf")
     ours = _titanlite_from(tmp_path / "hf")
-    x = torch.randint(0, VOCAB, (2, 40), generator=g)
+    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(x).logits
         assert (ours(x) - expected).abs().max() < 1e-5

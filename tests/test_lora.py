@@ -9,9 +9,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 VOCAB = 300
-FAMILIES = ["llama3", "qwen3", "qwen2", "mistral", "qwen3_moe", "deepseek_v3", "glm4_moe"]
+FAMILIES = ["llama3", "qwen3", "qwen2", "mistral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
 # adapted projections per block: attention (q_a, q_b, kv_a, kv_b, o for latent attention) and a dense FFN
-ROLES = {"qwen3_moe": 4, "deepseek_v3": 5, "glm4_moe": 4}
+ROLES = {"qwen3_moe": 4, "deepseek_v3": 5, "glm4_moe": 4, "gpt_oss": 4}
 
 
 def _lora_model(family, *extra, seed=0):

@@ -159,9 +159,10 @@ def test_resume_is_exact_with_the_routing_bias_and_at_another_ep_degree(tmp_path
             assert torch.allclose(got["resumed_bias"][k], v, atol=1e-6), (world, extra, k)
 
 
-def _hf_under_ep(folder, out):
+def _hf_under_ep(folder, out, oss_folder):
     """A Qwen3-MoE HF folder imported under FSDP(2) x EP(2) (the full weights), exported back from there, and greedy
-    generation with ep 2 in the config (generation gathers the experts instead)."""
+    generation with ep 2 in the config (generation gathers the experts instead); a gpt-oss folder in MXFP4 imported
+    under FSDP(2) x EP(2) (each rank dequantizing its experts) and exported from there."""
     import torch.distributed as dist
 
     from titanlite.checkpoint.hf_io import save_hf_sharded
@@ -183,10 +184,18 @@ def _hf_under_ep(folder, out):
     model = inference_model(cfg, 258, torch.device("cpu"), meshes)
     load_weights(model, folder)
     tokens = generate(model, [1, 2, 3, 4, 5], 24)
-    return full if dist.get_rank() == 0 else None, tokens
+    oss = make_trainer(tiny_argv(f"{out}/oss", "--model.name", "gpt_oss", "--model.flavor", "hf",
+                                 "--checkpoint.initial_load_path", oss_folder, *EP2, "--training.local_batch_size", "4",
+                                 "--training.global_batch_size", "16"))  # fmt: skip
+    assert oss.model.layers[0].feed_forward.experts.w1.to_local().shape[0] == 1  # 4 experts over ep 2 x fsdp 2
+    full_oss = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in oss.model.state_dict().items()}
+    save_hf_sharded(oss.model, f"{out}/oss_export", torch.float32, ByteTokenizer())
+    return (full, full_oss) if dist.get_rank() == 0 else None, tokens
 
 
 def test_hf_import_export_and_generation_under_ep(tmp_path):
+    from test_gpt_oss import _titanlite_from as gpt_oss_from
+    from test_gpt_oss import mxfp4_folder
     from test_moe import _titanlite_from, hf_moe_model
 
     from titanlite.checkpoint.hf_io import save_hf_sharded
@@ -198,10 +207,16 @@ def test_hf_import_export_and_generation_under_ep(tmp_path):
     ref = _titanlite_from(tmp_path / "hf")
     save_hf_sharded(ref, tmp_path / "export1", torch.float32, ByteTokenizer())
     ref_tokens = generate(ref, [1, 2, 3, 4, 5], 24)
-    res = run_distributed(_hf_under_ep, 4, str(tmp_path / "hf"), str(tmp_path))
-    full = res[0][0]
+    mxfp4_folder(tmp_path / "oss")
+    oss = gpt_oss_from(tmp_path / "oss")
+    save_hf_sharded(oss, tmp_path / "oss_export1", torch.float32, ByteTokenizer())
+    res = run_distributed(_hf_under_ep, 4, str(tmp_path / "hf"), str(tmp_path), str(tmp_path / "oss"))
+    full, full_oss = res[0][0]
     for k, v in ref.state_dict().items():
         assert torch.equal(full[k], v), k
+    for k, v in oss.state_dict().items():
+        assert torch.equal(full_oss[k], v), k
+    assert_same_hf_weights(tmp_path / "oss_export1", tmp_path / "oss_export")
     assert_same_hf_weights(tmp_path / "export1", tmp_path / "export")
     back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "export").eval()
     x = torch.randint(0, 300, (1, 50))
