@@ -239,3 +239,33 @@ def test_flops_count_each_sliding_block_over_its_window():
     a = FAMILIES["gpt_oss"].flavors["20B"]
     attention = 6 * 64 * (64 + 64) * (12 * 4096 + 12 * 128)
     assert a.flops_per_token(4096) == 6 * a.param_counts()["active_non_embedding"] + attention
+
+
+@pytest.mark.slow  # two trainers and an export process
+def test_exact_resume_and_the_export_command_from_a_checkpoint(tmp_path):
+    """6 steps saving at 3, resumed from step 3 bit for bit (biased experts, sinks); the export command writes the
+    step-6 checkpoint as a folder GptOssForCausalLM loads, with the trained model's logits."""
+    import torch.distributed as dist
+
+    from helpers import ckpt_argv, make_trainer, run_module
+
+    argv = ckpt_argv(tmp_path, "--model.name", "gpt_oss", "--checkpoint.interval", "3", "--moe.load_balance",
+                     "aux_loss", "--training.local_batch_size", "8")  # fmt: skip
+    try:
+        first = make_trainer(argv)
+        losses = first.train()
+        model = first.model
+        dist.destroy_process_group()
+        again = make_trainer(argv + ["--checkpoint.load_step", "3"]).train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert sorted(again) == [4, 5, 6] and all(again[s] == losses[s] for s in again)
+    out = tmp_path / "export"
+    r = run_module("titanlite.checkpoint", "export", "--checkpoint", tmp_path / "checkpoint" / "step-6", "--output",
+                   out, "--format", "hf", "--max-shard-size", "60000")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    hf = transformers.GptOssForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, model.args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(x).logits - model.eval()(x)).abs().max() < 1e-5
