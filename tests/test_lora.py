@@ -33,14 +33,18 @@ def _lora_model(family, *extra, seed=0):
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3+rslora"])
 def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family):
     from titanlite.checkpoint.hf_io import save_hf_sharded
     from titanlite.checkpoint.lora_io import load_peft_adapter, write_peft
     from titanlite.data.tokenizers import ByteTokenizer
     from titanlite.models.lora import merge_adapters
 
-    cfg, model = _lora_model(family)
+    family, _, variant = family.partition("+")
+    extra = ("--lora.use_rslora", "true", "--lora.alpha", "16") if variant == "rslora" else ()  # alpha / sqrt(r)
+    cfg, model = _lora_model(family, *extra)
+    if variant == "rslora":
+        assert model.layers[0].attention.wq.scaling == cfg.lora.alpha / 2  # rank 4
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(x)
@@ -56,7 +60,7 @@ def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family
         by_peft = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(x).logits
     assert (by_peft - ours).abs().max() < 1e-5
 
-    _, again = _lora_model(family, seed=0)
+    _, again = _lora_model(family, *extra, seed=0)
     with torch.no_grad():
         for name, p in again.named_parameters():
             if ".lora_" in name:
@@ -224,9 +228,9 @@ def test_peft_adapters_saved_with_all_linear_or_a_regex_read_as_their_roles(tmp_
     from titanlite.checkpoint.lora_io import peft_settings
 
     folder, args = _peft_adapter(tmp_path, "all", target_modules="all-linear")  # saved as expanded module paths
-    assert peft_settings(folder, args) == {"rank": 4, "alpha": 8, "targets": ["all"]}
+    assert peft_settings(folder, args) == {"rank": 4, "alpha": 8, "use_rslora": False, "targets": ["all"]}
     folder, args = _peft_adapter(tmp_path, "regex", target_modules=r".*\.(q_proj|v_proj)")
-    assert peft_settings(folder, args) == {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+    assert peft_settings(folder, args) == {"rank": 4, "alpha": 8, "use_rslora": False, "targets": ["q_proj", "v_proj"]}
 
 
 @pytest.mark.parametrize(

@@ -198,7 +198,13 @@ def settle_lora(cfg: JobConfig, checkpoint: Path | None, given: set[str], vocab_
     folder = Path(lora.initial_adapter_path).expanduser()
     args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
     settings = peft_settings(folder, args)
-    trained = replace(lora, rank=settings["rank"], alpha=settings["alpha"], targets=settings["targets"])
+    trained = replace(
+        lora,
+        rank=settings["rank"],
+        alpha=settings["alpha"],
+        use_rslora=settings["use_rslora"],
+        targets=settings["targets"],
+    )
     _adopt(cfg, trained, f"lora.initial_adapter_path = {str(folder)!r}", given, args)
     cfg.lora.initial_adapter_path = str(folder)
     logger.info(f"Sampling with the LoRA adapters of {folder} (rank {cfg.lora.rank}, alpha {cfg.lora.alpha}), unmerged")

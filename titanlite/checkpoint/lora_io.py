@@ -83,10 +83,10 @@ def saved_lora(step: Path):
 
 
 def lora_differences(trained, lora, args: ModelArgs) -> list[tuple[str, object, object]]:
-    """(key, trained value, this value) for each of rank, alpha and targets (compared as the roles they resolve
-    to) where two [lora] sections give adapters of another shape or scale."""
+    """(key, trained value, this value) for each of rank, alpha, use_rslora and targets (compared as the roles they
+    resolve to) where two [lora] sections give adapters of another shape or scale."""
     out = []
-    for key in ("rank", "alpha", "targets"):
+    for key in ("rank", "alpha", "use_rslora", "targets"):
         then, now = getattr(trained, key), getattr(lora, key)
         same = _roles(then, args) == _roles(now, args) if key == "targets" else then == now
         if not same:
@@ -121,7 +121,6 @@ def _read_peft_config(folder: Path) -> dict:
 # adapter_config.json keys titanlite's LoRA cannot honour: key -> (what it does, the valid value)
 UNSUPPORTED_PEFT_KEYS = {
     "use_dora": ("DoRA's magnitude vectors", "false"),
-    "use_rslora": ("rsLoRA's alpha / sqrt(r) scale", "false"),
     "fan_in_fan_out": ("transposed (Conv1D) weights", "false"),
     "modules_to_save": ("whole trained copies of base modules", "null"),
     "rank_pattern": ("per-module ranks", "{}"),
@@ -147,7 +146,7 @@ KNOWN_HARMLESS_PEFT_KEYS = {
     "r", "lora_alpha", "target_modules", "exclude_modules", "lora_dropout", "task_type", "peft_type", "auto_mapping",
     "peft_version", "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights", "layers_pattern",
     "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-    "qalora_group_size", "runtime_config", "ensure_weight_tying",
+    "qalora_group_size", "runtime_config", "ensure_weight_tying", "use_rslora",
 }  # fmt: skip
 
 
@@ -234,7 +233,12 @@ def peft_settings(folder: Path, args: ModelArgs) -> dict:
         raise ConfigError(f"lora.initial_adapter_path = {str(folder)!r} has no {PEFT_WEIGHTS}")
     roles = adapted_roles(folder, config, args)
     targets = ["all"] if roles == resolve_targets(["all"], args) else roles
-    return {"rank": config.get("r", 8), "alpha": config.get("lora_alpha", 8), "targets": targets}
+    return {
+        "rank": config.get("r", 8),
+        "alpha": config.get("lora_alpha", 8),
+        "use_rslora": bool(config.get("use_rslora", False)),
+        "targets": targets,
+    }
 
 
 def check_peft_folder(folder: Path, lora_cfg, args: ModelArgs) -> None:
@@ -244,6 +248,7 @@ def check_peft_folder(folder: Path, lora_cfg, args: ModelArgs) -> None:
     for key, ours, saved in (
         ("rank", lora_cfg.rank, config.get("r", 8)),
         ("alpha", lora_cfg.alpha, config.get("lora_alpha", 8)),
+        ("use_rslora", lora_cfg.use_rslora, bool(config.get("use_rslora", False))),
     ):
         if ours != saved:
             raise ConfigError(
@@ -307,6 +312,6 @@ def write_peft(out: Path, adapters: dict[str, torch.Tensor], args: ModelArgs, lo
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
     roles = resolve_targets(list(lora_cfg.targets), args)
-    config = peft_config(roles, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout, base)
+    config = peft_config(roles, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout, base, lora_cfg.use_rslora)
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return len(tensors)

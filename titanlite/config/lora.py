@@ -31,7 +31,13 @@ class Lora:
         "train low-rank adapters on a frozen base (checkpoint.initial_load_path) instead of the full weights",
     )
     rank: int = setting(16, "rank r of each adapter (A: r x in, B: out x r)", positive, POSITIVE)
-    alpha: float = setting(32.0, "scale of each adapter's output: alpha / rank (peft's lora_alpha)", positive, POSITIVE)
+    alpha: float = setting(
+        32.0, "scale of each adapter's output: alpha / rank, or alpha / sqrt(rank) with use_rslora (peft's lora_alpha)",
+        positive, POSITIVE,
+    )  # fmt: skip
+    use_rslora: bool = setting(
+        False, "rank-stabilised LoRA: scale by alpha / sqrt(rank), so higher ranks keep learning (peft's use_rslora)"
+    )
     dropout: float = setting(
         0.0, "dropout on an adapter's input in training (peft's lora_dropout)", fraction, "0 <= p < 1"
     )

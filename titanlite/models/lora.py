@@ -118,7 +118,12 @@ def _adapter_weights(linear: nn.Linear, rank: int) -> tuple[torch.Tensor, torch.
     )
 
 
-def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+def adapter_scaling(rank: int, alpha: float, rslora: bool = False) -> float:
+    """An adapter's output scale: alpha / rank, or rsLoRA's alpha / sqrt(rank)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float, rslora: bool = False) -> None:
     """Give `linear` an adapter of this rank (call on the meta device, after tensor parallelism)."""
     a, b = _adapter_weights(linear, rank)
     linear.lora_a = nn.Linear(linear.in_features, rank, bias=False, device="meta")
@@ -126,7 +131,7 @@ def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> N
     linear.lora_a.weight = nn.Parameter(a)
     linear.lora_b.weight = nn.Parameter(b)
     linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-    linear.scaling = alpha / rank
+    linear.scaling = adapter_scaling(rank, alpha, rslora)
     linear.__class__ = LoRALinear
 
 
@@ -146,7 +151,7 @@ def apply_lora(model: nn.Module, lora_cfg, base_dtype: torch.dtype | None = None
     call after tensor parallelism and before activation checkpointing, compile and FSDP. Returns the adapters made."""
     modules = adapted_modules(model, resolve_targets(list(lora_cfg.targets), model.args))
     for linear in modules.values():
-        add_adapter(linear, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout)
+        add_adapter(linear, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.use_rslora)
     adapters = {id(p) for m in modules.values() for p in (m.lora_a.weight, m.lora_b.weight)}
     cast: dict[int, nn.Parameter] = {}  # one new parameter per old one: a tied weight stays tied
     for module in model.modules():
@@ -220,7 +225,7 @@ def from_peft(tensors: dict[str, torch.Tensor], names: list[str], args: ModelArg
     return out
 
 
-def peft_config(roles: list[str], rank: int, alpha: float, dropout: float, base: str) -> dict:
+def peft_config(roles: list[str], rank: int, alpha: float, dropout: float, base: str, rslora: bool = False) -> dict:
     """adapter_config.json for peft's LoraConfig."""
     return {
         "peft_type": "LORA",
@@ -232,7 +237,7 @@ def peft_config(roles: list[str], rank: int, alpha: float, dropout: float, base:
         "target_modules": list(roles),
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": rslora,
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
