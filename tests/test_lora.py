@@ -33,7 +33,10 @@ def _lora_model(family, *extra, seed=0):
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "qwen3+rslora"])
+EXPERTS = ("--lora.targets", "q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj")
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3+rslora", "qwen3_moe+experts", "mixtral+experts"])
 def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family):
     from titanlite.checkpoint.hf_io import save_hf_sharded
     from titanlite.checkpoint.lora_io import load_peft_adapter, write_peft
@@ -41,7 +44,10 @@ def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family
     from titanlite.models.lora import merge_adapters
 
     family, _, variant = family.partition("+")
-    extra = ("--lora.use_rslora", "true", "--lora.alpha", "16") if variant == "rslora" else ()  # alpha / sqrt(r)
+    extra = {
+        "rslora": ("--lora.use_rslora", "true", "--lora.alpha", "16"),  # alpha / sqrt(r)
+        "experts": EXPERTS,  # peft's target_parameters on transformers' fused expert tensors
+    }.get(variant, ())
     cfg, model = _lora_model(family, *extra)
     if variant == "rslora":
         assert model.layers[0].attention.wq.scaling == cfg.lora.alpha / 2  # rank 4
@@ -49,7 +55,7 @@ def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family
     with torch.no_grad():
         ours = model(x)
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
-    assert len(adapters) == 2 * ROLES.get(family, 7) * model.args.n_layers
+    assert len(adapters) == 2 * (6 if variant == "experts" else ROLES.get(family, 7)) * model.args.n_layers
     save_hf_sharded(model, tmp_path / "base", torch.float32, ByteTokenizer())  # the base only
     write_peft(tmp_path / "peft", adapters, model.args, cfg.lora, str(tmp_path / "base"))
 

@@ -221,18 +221,29 @@ def _moe_base_and_reference(tmp, moe):
     return _train(f"{tmp}/one", base, [("one", (*moe, "--training.local_batch_size", "8"))])
 
 
-def test_moe_attention_adapters_same_losses_under_expert_parallelism(tmp_path):
-    """Qwen3-MoE: adapters on the attention only (its experts stay frozen), the same losses and adapter gradients
-    in one process and at FSDP(2) x EP(2)."""
-    moe = ("--model.name", "qwen3_moe", "--moe.load_balance", "aux_free")
-    one = run_distributed(_moe_base_and_reference, 1, str(tmp_path), moe)
+def test_moe_expert_adapters_same_losses_under_expert_and_tensor_parallelism(tmp_path):
+    """Qwen3-MoE with adapters on q/v and on every expert (grouped low-rank factors of the fused gate/up and the down
+    stacks, models/expert_lora.py): the base's logits at step 0, and the same losses and adapter gradients in one
+    process, at EP(2), TP(2) x EP(2) and FSDP(2) x EP(2)."""
+    targets = ("--lora.targets", "q_proj,v_proj,experts.gate_up_proj,experts.down_proj")
+    moe = ("--model.name", "qwen3_moe", "--moe.load_balance", "aux_free", *targets)
+    one = run_distributed(_moe_base_and_reference, 1, str(tmp_path), moe)[0]["one"]
     moe_base = tmp_path / "moe_base" / "checkpoint" / "step-2"
-    ep = (*moe, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2")
-    ep2 = run_distributed(_train, 2, str(tmp_path / "ep2"), moe_base, [("ep2", ep)])
-    (ref, _, ref_grads, trainable), (losses, _, grads, names) = one[0]["one"], ep2[0]["ep2"]
-    assert names == trainable and {n.split(".")[2] for n in trainable} == {"attention"}
-    assert ref[6] < ref[1]
-    for step in ref:
-        assert abs(losses[step] - ref[step]) < 1e-5, (step, losses[step], ref[step])
-    for n in ref_grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    ep = (*moe, "--parallelism.expert_parallel_degree", "2")
+    runs = [("ep2", (*ep, "--training.local_batch_size", "4")),
+            ("tp2_ep2", (*ep, "--training.local_batch_size", "8", *TP2))]  # fmt: skip
+    results = run_distributed(_train, 2, str(tmp_path / "two"), moe_base, runs)[0]
+    results |= run_distributed(
+        _train, 4, str(tmp_path / "four"), moe_base, [("fsdp2_ep2", (*ep, "--training.local_batch_size", "2"))]
+    )[0]
+    ref, ref_logits, ref_grads, trainable = one
+    assert {n.split(".")[2] for n in trainable} == {"attention", "feed_forward"}
+    assert any(".experts.gate_up_proj.lora_a." in n for n in trainable)
+    assert all(".lora_" in n for n in trainable) and ref[6] < ref[1]
+    for name, (losses, logits, grads, names) in results.items():
+        assert names == trainable, name
+        assert torch.equal(logits, ref_logits) or (logits - ref_logits).abs().max() < 1e-5, name
+        for step in ref:
+            assert abs(losses[step] - ref[step]) < 1e-5, (name, step, losses[step], ref[step])
+        for n in ref_grads:
+            torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")

@@ -91,9 +91,14 @@ def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
             "checkpoint or a consolidated file"
         )
     try:
-        resolve_targets(list(lora.targets), args)
+        roles = resolve_targets(list(lora.targets), args)
     except ValueError as e:
         raise ConfigError(f"lora.targets = {lora.targets}: {e}") from None
+    if lora.dropout and (experts := [r for r in roles if r.startswith("experts.")]):
+        raise ConfigError(
+            f"lora.dropout = {lora.dropout} with adapters on the experts ({', '.join(experts)}): an expert's input is "
+            "not factored out of its grouped matmul, so its adapters take no dropout (as peft's); set lora.dropout = 0"
+        )
     if lora.base_dtype == "bfloat16" and cfg.training.mixed_precision_param != "bfloat16":
         raise ConfigError(
             "lora.base_dtype = 'bfloat16' keeps the frozen base in bfloat16, which FSDP gathers with the float32 "

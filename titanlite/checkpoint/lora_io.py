@@ -18,9 +18,11 @@ from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
+from titanlite.models.expert_lora import EXPERT_ROLES
 from titanlite.models.hf_names import is_routing_bias
 from titanlite.models.lora import (
     ADAPTER_A,
+    PEFT_PREFIX,
     ROLE_MODULES,
     adapter_names,
     from_peft,
@@ -129,7 +131,6 @@ UNSUPPORTED_PEFT_KEYS = {
     "layer_replication": ("replicated blocks", "null"),
     "lora_bias": ("a trained bias on each lora_B", "false"),
     "trainable_token_indices": ("trained embedding rows", "null"),
-    "target_parameters": ("adapters on parameters such as an MoE's experts", "null"),
     "bias": ("trained biases of the base's projections", "'none'"),
     "alora_invocation_tokens": ("Activated LoRA: adapters on the tokens after the invocation only", "null"),
     "use_qalora": ("QA-LoRA's pooled inputs", "false"),
@@ -146,8 +147,25 @@ KNOWN_HARMLESS_PEFT_KEYS = {
     "r", "lora_alpha", "target_modules", "exclude_modules", "lora_dropout", "task_type", "peft_type", "auto_mapping",
     "peft_version", "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights", "layers_pattern",
     "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-    "qalora_group_size", "runtime_config", "ensure_weight_tying", "use_rslora",
+    "qalora_group_size", "runtime_config", "ensure_weight_tying", "use_rslora", "target_parameters",
 }  # fmt: skip
+
+
+EXPERT_PARAMETERS = {f"mlp.{r}": r for r in EXPERT_ROLES}  # peft's target_parameters -> titanlite's expert role
+
+
+def expert_order(folder: Path, config: dict) -> tuple[str, ...]:
+    """The expert roles of a peft adapter's target_parameters, in its order (which decides peft's key names);
+    ConfigError naming any other parameter."""
+    params = config.get("target_parameters") or []
+    if not isinstance(params, list) or (other := [p for p in params if p not in EXPERT_PARAMETERS]):
+        shown = other[0] if isinstance(params, list) else params
+        raise ConfigError(
+            f"lora.initial_adapter_path = {str(folder)!r}: {PEFT_CONFIG} sets target_parameters with {shown!r}, "
+            f"which titanlite's LoRA does not adapt; valid: {', '.join(EXPERT_PARAMETERS)} (an MoE's experts, "
+            f"transformers' fused expert tensors)"
+        )
+    return tuple(EXPERT_PARAMETERS[p] for p in params)
 
 
 def _check_supported(folder: Path, config: dict) -> None:
@@ -194,6 +212,10 @@ def adapted_roles(folder: Path, config: dict, args: ModelArgs) -> list[str]:
     except Exception as e:  # safetensors raises its own error types for a damaged header
         raise ConfigError(f"{where} cannot be read ({type(e).__name__}: {e})") from None
     modules, blocks = _module_roles(args), {}
+    experts = expert_order(folder, config)
+    for j, role in enumerate(experts):  # peft nests its wrappers: the first parameter's is the inner one
+        inner = ".base_layer" if j == 0 and len(experts) > 1 else ""
+        modules.update({f"{PEFT_PREFIX}model.layers.{i}.mlp.experts{inner}": (i, role) for i in args.moe_layers})
     for key in keys:
         module, _, leaf = key.replace(".default.", ".").rpartition(".lora_")
         if leaf not in ("A.weight", "B.weight") or module not in modules:
@@ -207,8 +229,9 @@ def adapted_roles(folder: Path, config: dict, args: ModelArgs) -> list[str]:
     if not blocks:
         raise ConfigError(f"{where} holds no adapters")
     for role, have in blocks.items():
-        if len(have) != args.n_layers:
-            missing = sorted(set(range(args.n_layers)) - have)
+        every = set(args.moe_layers) if role in EXPERT_ROLES else set(range(args.n_layers))
+        if have != every:
+            missing = sorted(every - have)
             excluded = config.get("exclude_modules")
             why = (
                 f"; {PEFT_CONFIG} sets exclude_modules = {excluded!r}, which titanlite's LoRA does not support "
@@ -217,11 +240,11 @@ def adapted_roles(folder: Path, config: dict, args: ModelArgs) -> list[str]:
                 else ""
             )
             raise ConfigError(
-                f"{where} adapts {role} in {len(have)} of the {args.n_layers} blocks (not in block "
+                f"{where} adapts {role} in {len(have)} of the {len(every)} blocks (not in block "
                 f"{', '.join(map(str, missing[:8]))}){why}; titanlite's LoRA adapts the same projections in every "
                 "block"
             )
-    return [r for r in ROLE_MODULES if r in blocks]
+    return [r for r in [*ROLE_MODULES, *EXPERT_ROLES] if r in blocks]
 
 
 def peft_settings(folder: Path, args: ModelArgs) -> dict:
@@ -271,7 +294,8 @@ def load_peft_adapter(model: torch.nn.Module, folder: str | Path, lora_cfg) -> N
     folder = Path(folder).expanduser()
     check_peft_folder(folder, lora_cfg, model.args)
     try:
-        full = from_peft(load_file(str(folder / PEFT_WEIGHTS)), adapter_names(model), model.args)
+        experts = expert_order(folder, _read_peft_config(folder))
+        full = from_peft(load_file(str(folder / PEFT_WEIGHTS)), adapter_names(model), model.args, experts)
     except ValueError as e:
         raise ConfigError(f"lora.initial_adapter_path = {str(folder)!r}: {PEFT_WEIGHTS} does not fit: {e}") from None
     model_sd = {k: v for k, v in get_model_state_dict(model).items() if is_adapter(k)}

@@ -20,6 +20,8 @@ LORA_TARGETS = (
     "q_b_proj",
     "kv_a_proj_with_mqa",
     "kv_b_proj",
+    "experts.gate_up_proj",  # an MoE's experts (peft's target_parameters on transformers 5's fused expert tensors)
+    "experts.down_proj",
 )
 BASE_DTYPES = ("float32", "bfloat16")
 
@@ -44,7 +46,7 @@ class Lora:
     targets: list[str] = setting(
         ["all"],
         "projections that get adapters: any of " + ", ".join(LORA_TARGETS) + "; 'all' = every one the model has "
-        "as a dense projection (an MoE family's experts get none: its attention projections)",
+        "as a dense projection (peft's all-linear: an MoE family's attention); experts.* = every expert of an MoE",
         lambda v: bool(v) and (v == ["all"] or set(v) <= set(LORA_TARGETS)),
         "'all' or a non-empty list of " + ", ".join(LORA_TARGETS),
     )

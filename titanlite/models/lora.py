@@ -19,6 +19,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from titanlite.models.args import ModelArgs
+from titanlite.models.expert_lora import (
+    EXPERT_ROLES,
+    add_expert_adapters,
+    expert_from_peft,
+    expert_peft_key,
+    expert_to_peft,
+    is_expert_adapter,
+    merge_expert_adapters,
+)
 from titanlite.models.hf_names import half_split_to_interleaved, interleaved_to_half_split, rope_heads, to_hf_name
 
 # Role -> the projection it names inside a transformer block.
@@ -40,7 +49,7 @@ LATENT_ROLES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def model_roles(args: ModelArgs) -> list[str]:
-    """The roles this model's blocks have a projection for (an MoE's experts are not dense projections)."""
+    """The roles this model's blocks have a dense projection for (an MoE's experts: expert_roles)."""
     if args.mla:
         q = ["q_a_proj", "q_b_proj"] if args.q_lora_rank else ["q_proj"]
         attention = [*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -57,16 +66,29 @@ def is_adapter(name: str) -> bool:
     return f".{ADAPTER_A}." in name or f".{ADAPTER_B}." in name
 
 
+def expert_roles(args: ModelArgs) -> list[str]:
+    """The expert roles of a model (models/expert_lora.py): an MoE's fused gate/up and down stacks; none if dense."""
+    return list(EXPERT_ROLES) if args.moe else []
+
+
 def resolve_targets(targets: list[str], args: ModelArgs) -> list[str]:
-    """The roles that get adapters: ['all'] is every dense projection of the model (an MoE's experts are not dense
-    projections: its attention ones); ValueError for an MLP role of an MoE model."""
+    """The roles that get adapters: ['all'] is every dense projection of the model (peft's all-linear: an MoE's
+    attention); experts.* roles an MoE's experts; ValueError for an MLP role of an MoE model, an expert role of a
+    dense one."""
     roles = model_roles(args)
     if targets == ["all"]:
         return roles
+    if other := [r for r in targets if r in EXPERT_ROLES and not args.moe]:
+        raise ValueError(
+            f"{', '.join(other)}: the {args.family} model is dense, it has no experts; valid targets for it: "
+            f"{', '.join(roles)} (or 'all')"
+        )
+    roles = roles + expert_roles(args)
     if args.moe and (mlp := [r for r in targets if r in MLP_ROLES]):
         raise ValueError(
-            f"{', '.join(mlp)}: the {args.family} model's feed-forward is a Mixture of Experts, whose experts get no "
-            f"adapters; valid targets for it: {', '.join(roles)} (or 'all')"
+            f"{', '.join(mlp)}: the {args.family} model's feed-forward is a Mixture of Experts, whose experts take "
+            f"adapters as experts.gate_up_proj and experts.down_proj (transformers' fused expert tensors); valid "
+            f"targets for it: {', '.join(roles)} (or 'all')"
         )
     if other := [r for r in targets if r not in roles]:
         attention = "multi-head latent attention" if args.mla else "attention"
@@ -136,8 +158,8 @@ def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float, rslo
 
 
 def adapted_modules(model: nn.Module, roles: list[str]) -> dict[str, nn.Linear]:
-    """Qualified name -> projection of every block's targeted roles, in model order."""
-    wanted = {ROLE_MODULES[r] for r in roles}
+    """Qualified name -> projection of every block's targeted dense roles, in model order."""
+    wanted = {ROLE_MODULES[r] for r in roles if r in ROLE_MODULES}
     out = {}
     for i, block in enumerate(model.layers):
         for path in ROLE_MODULES.values():  # model order within a block
@@ -149,10 +171,18 @@ def adapted_modules(model: nn.Module, roles: list[str]) -> dict[str, nn.Linear]:
 def apply_lora(model: nn.Module, lora_cfg, base_dtype: torch.dtype | None = None) -> int:
     """Adapters on the [lora] targets of every block, everything else frozen (and cast to base_dtype when given);
     call after tensor parallelism and before activation checkpointing, compile and FSDP. Returns the adapters made."""
-    modules = adapted_modules(model, resolve_targets(list(lora_cfg.targets), model.args))
+    roles = resolve_targets(list(lora_cfg.targets), model.args)
+    modules = adapted_modules(model, roles)
     for linear in modules.values():
         add_adapter(linear, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.use_rslora)
     adapters = {id(p) for m in modules.values() for p in (m.lora_a.weight, m.lora_b.weight)}
+    if experts := [r for r in roles if r in EXPERT_ROLES]:
+        if lora_cfg.dropout:  # as peft's: x is not factored out of an expert's matmul
+            raise ValueError(f"lora.dropout = {lora_cfg.dropout}: adapters on experts take none (as peft's); set 0")
+        scaling = adapter_scaling(lora_cfg.rank, lora_cfg.alpha, lora_cfg.use_rslora)
+        for unit in model.expert_units():
+            for adapter in add_expert_adapters(unit, experts, lora_cfg.rank, scaling):
+                adapters.update({id(adapter.lora_a.weight), id(adapter.lora_b.weight)})
     cast: dict[int, nn.Parameter] = {}  # one new parameter per old one: a tied weight stays tied
     for module in model.modules():
         for leaf, p in list(module.named_parameters(recurse=False)):
@@ -164,7 +194,7 @@ def apply_lora(model: nn.Module, lora_cfg, base_dtype: torch.dtype | None = None
                 setattr(module, leaf, cast[id(p)])
             else:
                 p.requires_grad_(False)
-    return len(modules)
+    return len(modules) + len(experts) * len(model.expert_units())
 
 
 def adapter_names(model: nn.Module) -> list[str]:
@@ -186,21 +216,34 @@ def base_weight_name(adapter: str) -> str:
 PEFT_PREFIX = "base_model.model."  # peft's wrapper of a transformers model, as its saved keys begin
 
 
-def to_peft_name(name: str, args: ModelArgs) -> str:
-    """An adapter parameter's key in a peft adapter_model.safetensors."""
+def to_peft_name(name: str, args: ModelArgs, experts: tuple[str, ...] = tuple(EXPERT_ROLES)) -> str:
+    """An adapter parameter's key in a peft adapter_model.safetensors (experts: the expert roles adapted, in the
+    order of peft's target_parameters)."""
+    if is_expert_adapter(name):
+        return expert_peft_key(name, list(experts))
     module = to_hf_name(base_weight_name(name), args).removesuffix(".weight")
     return f"{PEFT_PREFIX}{module}.{'lora_A' if f'.{ADAPTER_A}.' in name else 'lora_B'}.weight"
 
 
 def _rope_rows(name: str, args: ModelArgs) -> int | None:
     """Heads whose rows an adapter's B permutes between titanlite's and HF's q/k layouts (models/hf_names.py)."""
+    if is_expert_adapter(name):
+        return None
     return rope_heads(base_weight_name(name), args) if f".{ADAPTER_B}." in name else None
+
+
+def adapted_expert_roles(names) -> tuple[str, ...]:
+    """The expert roles among these adapter names, in peft's target_parameters order (EXPERT_ROLES')."""
+    return tuple(r for r in EXPERT_ROLES if any(f".feed_forward.{r}." in n for n in names))
 
 
 def to_peft(adapters: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Full adapter tensors by titanlite name -> peft's keys and layout."""
-    out = {}
+    out, experts = {}, adapted_expert_roles(adapters)
     for name, t in adapters.items():
+        if is_expert_adapter(name):
+            out[to_peft_name(name, args, experts)] = expert_to_peft(t, f".{ADAPTER_A}." in name)
+            continue
         heads = _rope_rows(name, args)
         out[to_peft_name(name, args)] = (
             interleaved_to_half_split(t, heads, args.rope_dim) if heads else t
@@ -208,10 +251,14 @@ def to_peft(adapters: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
     return out
 
 
-def from_peft(tensors: dict[str, torch.Tensor], names: list[str], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """peft's adapter tensors -> full tensors under the model's adapter names `names`; ValueError naming the first
-    adapter the file lacks or the first tensor the model has no adapter for."""
-    by_peft = {to_peft_name(n, args): n for n in names}
+def from_peft(
+    tensors: dict[str, torch.Tensor], names: list[str], args: ModelArgs, experts: tuple[str, ...] | None = None
+) -> dict[str, torch.Tensor]:
+    """peft's adapter tensors -> full tensors under the model's adapter names `names` (experts: the expert roles in
+    the order of the file's target_parameters; None: EXPERT_ROLES'); ValueError naming the first adapter the file
+    lacks or the first tensor the model has no adapter for."""
+    experts = adapted_expert_roles(names) if experts is None else experts
+    by_peft = {to_peft_name(n, args, experts): n for n in names}
     keys = {k.replace(".default.", ".") for k in tensors}  # a file saved with the adapter's name left in
     if missing := [k for k in by_peft if k not in keys]:
         raise ValueError(f"it has no {missing[0]} (and {len(missing) - 1} more missing)")
@@ -220,6 +267,9 @@ def from_peft(tensors: dict[str, torch.Tensor], names: list[str], args: ModelArg
     out = {}
     for key, t in tensors.items():
         name = by_peft[key.replace(".default.", ".")]
+        if is_expert_adapter(name):
+            out[name] = expert_from_peft(t, f".{ADAPTER_A}." in name, args.n_experts)
+            continue
         heads = _rope_rows(name, args)
         out[name] = half_split_to_interleaved(t, heads, args.rope_dim) if heads else t
     return out
@@ -234,7 +284,8 @@ def peft_config(roles: list[str], rank: int, alpha: float, dropout: float, base:
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": list(roles),
+        "target_modules": [r for r in roles if r in ROLE_MODULES] or None,
+        "target_parameters": [f"mlp.{r}" for r in EXPERT_ROLES if r in roles] or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": rslora,
@@ -254,3 +305,5 @@ def merge_adapters(model: nn.Module) -> None:
             delta = (m.lora_b.weight.float() @ m.lora_a.weight.float()) * m.scaling
             m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
             m.lora_b.weight.zero_()
+    for unit in model.expert_units() if hasattr(model, "expert_units") else ():
+        merge_expert_adapters(unit)

@@ -141,14 +141,20 @@ class _ClampedSwiGLU(torch.autograd.Function):
         return d_gate.masked_fill_(gate > limit, 0.0), d_up, None, None
 
 
-def _per_expert(tokens: torch.Tensor, counts: torch.Tensor, weights, biases, act) -> torch.Tensor:
-    """Each expert's SwiGLU on its own tokens, one expert after another (transformers' loop), for the sizes
-    torch._grouped_mm does not take. The weights are unbound, not sliced: their gradient is one stack."""
-    parts = tokens.split(counts.tolist())  # a host sync, as the token exchange's
-    w1, w3, w2 = (w.unbind(0) for w in weights)
-    b1, b3, b2 = (b.unbind(0) if b is not None else [0] * len(parts) for b in biases)
-    outs = [act(x @ w1[e] + b1[e], x @ w3[e] + b3[e]) @ w2[e] + b2[e] for e, x in enumerate(parts)]
-    return torch.cat(outs)
+class GroupedMatmul:
+    """Rows grouped by expert (counts per expert) times their expert's matrix of a stack [experts, in, out]:
+    torch._grouped_mm, or one expert after another (transformers' loop) for the sizes it does not take
+    (grouped_mm_takes). A stack is unbound, not sliced, in the loop: its gradient is one stack."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.counts, self.ends, self._splits = counts, counts.cumsum(0).to(torch.int32), None
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if grouped_mm_takes(x.shape[1], w.shape[2], w.dtype):
+            return torch._grouped_mm(x, w, offs=self.ends)
+        if self._splits is None:
+            self._splits = self.counts.tolist()  # a host sync, as the token exchange's
+        return torch.cat([p @ we for p, we in zip(x.split(self._splits), w.unbind(0), strict=True)])
 
 
 class GroupedExperts(nn.Module):
@@ -172,6 +178,8 @@ class GroupedExperts(nn.Module):
         else:
             self.b1 = self.b3 = self.b2 = None
         self.swiglu_limit, self.alpha = swiglu_limit, alpha
+        # LoRA on the experts (models/expert_lora.py): low-rank factors of the fused gate/up and of the down weights
+        self.gate_up_proj = self.down_proj = None
         self.ep, self.ep_group = 1, None  # set by parallel/ep.py
         self.grad_scale = 1.0  # set by parallel/ep.py
 
@@ -183,31 +191,31 @@ class GroupedExperts(nn.Module):
             return self._compute(tokens, counts)
         return self._exchange(tokens, counts)
 
-    def _weights(self) -> list[torch.Tensor | None]:
-        """w1, w3, w2, b1, b3, b2 as this rank computes with them (None: no biases)."""
-        out = []
-        for w in (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2):
-            w = w.to_local() if isinstance(w, DTensor) else w  # this rank's experts (FSDP has gathered the rest)
-            out.append(w if self.grad_scale == 1.0 or w is None else _ScaleGrad.apply(w, self.grad_scale))
-        return out
+    def _local(self, w: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's experts of a stack (FSDP has gathered the rest), its gradient scaled (parallel/ep.py)."""
+        w = w.to_local() if isinstance(w, DTensor) else w
+        return w if self.grad_scale == 1.0 or w is None else _ScaleGrad.apply(w, self.grad_scale)
 
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return swiglu(gate, up, self.swiglu_limit, self.alpha)
 
     def _compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2, *biases = self._weights()
-        tokens = tokens.to(w1.dtype)
-        if not grouped_mm_takes(w1.shape[1], w1.shape[2], w1.dtype):
-            return _per_expert(tokens, counts, (w1, w3, w2), biases, self._act)
-        ends = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(tokens, w1, offs=ends), torch._grouped_mm(tokens, w3, offs=ends)
-        b1, b3, b2 = (  # each row's expert's bias (output_size: no host sync)
-            None if b is None else b.repeat_interleave(counts, dim=0, output_size=tokens.shape[0]) for b in biases
-        )
-        if b1 is not None:
-            gate, up = gate + b1, up + b3
-        out = torch._grouped_mm(self._act(gate, up), w2, offs=ends)
-        return out if b2 is None else out + b2
+        w1, w3, w2, b1, b3, b2 = (self._local(w) for w in (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2))
+        tokens, mm, rows = tokens.to(w1.dtype), GroupedMatmul(counts), tokens.shape[0]
+        gate, up = mm(tokens, w1), mm(tokens, w3)
+        if b1 is not None:  # each row's expert's bias (output_size: no host sync)
+            gate = gate + b1.repeat_interleave(counts, dim=0, output_size=rows)
+            up = up + b3.repeat_interleave(counts, dim=0, output_size=rows)
+        if self.gate_up_proj is not None:
+            delta = self.gate_up_proj.delta(tokens, mm, self._local)
+            gate, up = gate + delta[:, : gate.shape[1]], up + delta[:, gate.shape[1] :]
+        hidden = self._act(gate, up)
+        out = mm(hidden, w2)
+        if b2 is not None:
+            out = out + b2.repeat_interleave(counts, dim=0, output_size=rows)
+        if self.down_proj is not None:
+            out = out + self.down_proj.delta(hidden, mm, self._local)
+        return out
 
     def _exchange(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, group, local = self.ep, self.ep_group, self.n_experts // self.ep

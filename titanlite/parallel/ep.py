@@ -49,9 +49,10 @@ def apply_ep(model: nn.Module, expert_mesh: DeviceMesh | None, tp: int) -> int:
     ep = expert_mesh["ep"].size() if expert_mesh is not None else 1
     for experts in model.expert_units():
         if ep > 1:
-            for name, param in list(experts.named_parameters(recurse=False)):
-                split = distribute_tensor(param, expert_mesh["ep"], [Shard(0)])
-                experts.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+            for module in experts.modules():  # the stacks, and LoRA's factors of them (models/expert_lora.py)
+                for name, param in list(module.named_parameters(recurse=False)):
+                    split = distribute_tensor(param, expert_mesh["ep"], [Shard(0)])
+                    module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
             experts.ep, experts.ep_group = ep, expert_mesh.get_group("ep")
         experts.grad_scale = tp / ep
     return ep
