@@ -221,10 +221,19 @@ def _moe_base_and_reference(tmp, moe):
     return _train(f"{tmp}/one", base, [("one", (*moe, "--training.local_batch_size", "8"))])
 
 
+def _train_and_resume(tmp, base_path, runs, resumed):
+    """_train's runs, and `resumed`'s argv run 6 steps saving at 3 then again from step 3 (its losses both times)."""
+    out = _train(tmp, base_path, runs)
+    ckpt = ("--checkpoint.enable", "--checkpoint.interval", "3", *resumed)
+    first = make_trainer(lora_argv(f"{tmp}/resume", base_path, *ckpt)).train()
+    again = make_trainer(lora_argv(f"{tmp}/resume", base_path, *ckpt, "--checkpoint.load_step", "3")).train()
+    return out, (first, again)
+
+
 def test_moe_expert_adapters_same_losses_under_expert_and_tensor_parallelism(tmp_path):
     """Qwen3-MoE with adapters on q/v and on every expert (grouped low-rank factors of the fused gate/up and the down
     stacks, models/expert_lora.py): the base's logits at step 0, and the same losses and adapter gradients in one
-    process, at EP(2), TP(2) x EP(2) and FSDP(2) x EP(2)."""
+    process, at EP(2), TP(2) x EP(2) and FSDP(2) x EP(2); exact resume at EP(2)."""
     targets = ("--lora.targets", "q_proj,v_proj,experts.gate_up_proj,experts.down_proj")
     moe = ("--model.name", "qwen3_moe", "--moe.load_balance", "aux_free", *targets)
     one = run_distributed(_moe_base_and_reference, 1, str(tmp_path), moe)[0]["one"]
@@ -232,7 +241,10 @@ def test_moe_expert_adapters_same_losses_under_expert_and_tensor_parallelism(tmp
     ep = (*moe, "--parallelism.expert_parallel_degree", "2")
     runs = [("ep2", (*ep, "--training.local_batch_size", "4")),
             ("tp2_ep2", (*ep, "--training.local_batch_size", "8", *TP2))]  # fmt: skip
-    results = run_distributed(_train, 2, str(tmp_path / "two"), moe_base, runs)[0]
+    results, (first, again) = run_distributed(
+        _train_and_resume, 2, str(tmp_path / "two"), moe_base, runs, (*ep, "--training.local_batch_size", "4")
+    )[0]
+    assert sorted(again) == [4, 5, 6] and all(again[s] == first[s] for s in again)  # bit for bit
     results |= run_distributed(
         _train, 4, str(tmp_path / "four"), moe_base, [("fsdp2_ep2", (*ep, "--training.local_batch_size", "2"))]
     )[0]
