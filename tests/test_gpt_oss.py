@@ -13,6 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
+from test_frontier_moe import _titanlite_from  # noqa: E402  (after the skips: it needs transformers too)
+
 VOCAB = 300
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}  # fmt: skip
@@ -37,16 +39,6 @@ def hf_gpt_oss(folder, seed: int = 0, **sizes):
                 p.normal_(0.0, 0.5)
     model.eval().save_pretrained(folder, max_shard_size="60KB")
     return model
-
-
-def _titanlite_from(folder):
-    from titanlite.checkpoint.hf_io import load_hf_weights
-    from titanlite.models.decoder import Transformer
-    from titanlite.models.registry import hf_args
-
-    model = Transformer(hf_args(folder))
-    load_hf_weights(model, folder)
-    return model.eval()
 
 
 CASES = {
