@@ -36,7 +36,9 @@ def _lora_model(family, *extra, seed=0):
 EXPERTS = ("--lora.targets", "q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj")
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "qwen3+rslora", "qwen3_moe+experts", "mixtral+experts"])
+@pytest.mark.parametrize(
+    "family", [*FAMILIES, "qwen3+rslora", "qwen3_moe+experts", "mixtral+experts", "gpt_oss+experts"]
+)
 def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family):
     from titanlite.checkpoint.hf_io import save_hf_sharded
     from titanlite.checkpoint.lora_io import load_peft_adapter, write_peft
@@ -51,6 +53,9 @@ def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family
     cfg, model = _lora_model(family, *extra)
     if variant == "rslora":
         assert model.layers[0].attention.wq.scaling == cfg.lora.alpha / 2  # rank 4
+    if variant == "experts":  # A drawn as peft's lora_A [r * experts, in]: Kaiming's bound 1 / sqrt(in)
+        a = model.layers[0].feed_forward.experts.gate_up_proj.lora_a.weight
+        assert 0.8 < a.abs().max() * a.shape[1] ** 0.5 <= 1
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(x)

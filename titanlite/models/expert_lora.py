@@ -65,19 +65,24 @@ def expert_peft_key(name: str, roles: list[str]) -> str:
     return f"base_model.model.model.layers.{layer}.mlp.experts.{inner}lora_{'A' if '.lora_a.' in name else 'B'}.weight"
 
 
-def expert_to_peft(t: torch.Tensor, is_a: bool) -> torch.Tensor:
+def expert_to_peft(t: torch.Tensor, is_a: bool, interleaved: bool = False) -> torch.Tensor:
     """A [experts, in, r] -> [r * experts, in] (row e * r + j: A[e, :, j]); B [experts, r, out] -> [out, r * experts]
-    (column j * experts + e: B[e, j, :])."""
+    (column j * experts + e: B[e, j, :]); interleaved: B's gate and up halves alternate column by column in HF's
+    layout (gpt-oss's gate_up_proj)."""
     if is_a:
         return t.permute(0, 2, 1).reshape(-1, t.shape[1]).contiguous()
+    if interleaved:
+        half = t.shape[2] // 2
+        t = torch.stack([t[..., :half], t[..., half:]], dim=-1).flatten(-2)
     return t.permute(2, 1, 0).reshape(t.shape[2], -1).contiguous()
 
 
-def expert_from_peft(t: torch.Tensor, is_a: bool, n_experts: int) -> torch.Tensor:
+def expert_from_peft(t: torch.Tensor, is_a: bool, n_experts: int, interleaved: bool = False) -> torch.Tensor:
     """The inverse of expert_to_peft."""
     if is_a:
         return t.reshape(n_experts, -1, t.shape[1]).permute(0, 2, 1).contiguous()
-    return t.reshape(t.shape[0], -1, n_experts).permute(2, 1, 0).contiguous()
+    t = t.reshape(t.shape[0], -1, n_experts).permute(2, 1, 0)
+    return (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) if interleaved else t).contiguous()
 
 
 @torch.no_grad()

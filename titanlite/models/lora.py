@@ -28,7 +28,13 @@ from titanlite.models.expert_lora import (
     is_expert_adapter,
     merge_expert_adapters,
 )
-from titanlite.models.hf_names import half_split_to_interleaved, interleaved_to_half_split, rope_heads, to_hf_name
+from titanlite.models.hf_names import (
+    fused_experts,
+    half_split_to_interleaved,
+    interleaved_to_half_split,
+    rope_heads,
+    to_hf_name,
+)
 
 # Role -> the projection it names inside a transformer block.
 ROLE_MODULES = {
@@ -103,7 +109,15 @@ def adapter_init(name: str):
     """The init of an adapter parameter as fn(tensor, generator): A as peft's (Kaiming-uniform), B zero."""
     if f".{ADAPTER_B}." in name:
         return lambda t, g: t.zero_()
+    if is_expert_adapter(name):  # [experts, in, r]: drawn as peft's lora_A [r * experts, in] (fan-in: in)
+        return _expert_a_init
     return lambda t, g: nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+
+
+def _expert_a_init(t: torch.Tensor, g: torch.Generator) -> None:
+    e, d_in, r = t.shape
+    flat = nn.init.kaiming_uniform_(t.new_empty(e * r, d_in), a=math.sqrt(5), generator=g)
+    t.copy_(flat.view(e, r, d_in).transpose(1, 2))
 
 
 class LoRALinear(nn.Linear):
@@ -176,9 +190,7 @@ def apply_lora(model: nn.Module, lora_cfg, base_dtype: torch.dtype | None = None
     for linear in modules.values():
         add_adapter(linear, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.use_rslora)
     adapters = {id(p) for m in modules.values() for p in (m.lora_a.weight, m.lora_b.weight)}
-    if experts := [r for r in roles if r in EXPERT_ROLES]:
-        if lora_cfg.dropout:  # as peft's: x is not factored out of an expert's matmul
-            raise ValueError(f"lora.dropout = {lora_cfg.dropout}: adapters on experts take none (as peft's); set 0")
+    if experts := [r for r in roles if r in EXPERT_ROLES]:  # no dropout (as peft's; plan.py refuses one to train)
         scaling = adapter_scaling(lora_cfg.rank, lora_cfg.alpha, lora_cfg.use_rslora)
         for unit in model.expert_units():
             for adapter in add_expert_adapters(unit, experts, lora_cfg.rank, scaling):
@@ -232,6 +244,12 @@ def _rope_rows(name: str, args: ModelArgs) -> int | None:
     return rope_heads(base_weight_name(name), args) if f".{ADAPTER_B}." in name else None
 
 
+def _interleaved(name: str, args: ModelArgs) -> bool:
+    """Whether an expert adapter's B is, in HF's layout, gate and up columns alternating (gpt-oss's gate_up_proj), not
+    the gate half then the up half (titanlite's, and the other families')."""
+    return ".experts.gate_up_proj.lora_b." in name and ("w1", "w3") in fused_experts(args).values()
+
+
 def adapted_expert_roles(names) -> tuple[str, ...]:
     """The expert roles among these adapter names, in peft's target_parameters order (EXPERT_ROLES')."""
     return tuple(r for r in EXPERT_ROLES if any(f".feed_forward.{r}." in n for n in names))
@@ -242,7 +260,9 @@ def to_peft(adapters: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
     out, experts = {}, adapted_expert_roles(adapters)
     for name, t in adapters.items():
         if is_expert_adapter(name):
-            out[to_peft_name(name, args, experts)] = expert_to_peft(t, f".{ADAPTER_A}." in name)
+            out[to_peft_name(name, args, experts)] = expert_to_peft(
+                t, f".{ADAPTER_A}." in name, _interleaved(name, args)
+            )
             continue
         heads = _rope_rows(name, args)
         out[to_peft_name(name, args)] = (
@@ -268,7 +288,7 @@ def from_peft(
     for key, t in tensors.items():
         name = by_peft[key.replace(".default.", ".")]
         if is_expert_adapter(name):
-            out[name] = expert_from_peft(t, f".{ADAPTER_A}." in name, args.n_experts)
+            out[name] = expert_from_peft(t, f".{ADAPTER_A}." in name, args.n_experts, _interleaved(name, args))
             continue
         heads = _rope_rows(name, args)
         out[name] = half_split_to_interleaved(t, heads, args.rope_dim) if heads else t
