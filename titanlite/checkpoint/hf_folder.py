@@ -87,8 +87,9 @@ def read_hf_tensors(folder: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...
     return out
 
 
-def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> None:
-    """ConfigError naming every missing, unexpected or mis-shaped tensor of a folder for this model shape."""
+def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """ConfigError naming every missing, unexpected or mis-shaped tensor of a folder for this model shape; else the
+    folder's tensors (read_hf_tensors')."""
     found = read_hf_tensors(folder)
     expected = quantized_variants(hf_shapes(args), found, args)  # gpt-oss's MXFP4 experts, where the folder has them
     missing = [n for n in expected if n not in found]
@@ -118,6 +119,7 @@ def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> None:
             f"{args.qk_norm}, q/k/v biases {args.qkv_bias}): {' | '.join(problems)}; are these tensors of "
             f"another family than its config.json says?"
         )
+    return found
 
 
 def _layer_index(hf_name: str) -> int:

@@ -25,7 +25,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.export_target import shown
-from titanlite.checkpoint.hf_folder import INDEX, check_hf_weights, read_hf_tensors, safetensors_module
+from titanlite.checkpoint.hf_folder import INDEX, check_hf_weights, safetensors_module
 from titanlite.checkpoint.hf_fused_experts import fused_export_state, interleave, load_fused_experts
 from titanlite.checkpoint.safe_reading import load_metadata
 from titanlite.compat import consolidate_hf_safetensors, local_rows
@@ -107,7 +107,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
 
     folder = pathlib.Path(folder).expanduser()
     args = model.args
-    check_hf_weights(folder, args)
+    found = check_hf_weights(folder, args)
     sd = get_model_state_dict(model)
     dest, permuted, grouped = {}, {}, {}
     for name, t in sd.items():
@@ -128,7 +128,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
     if fused_hf_names(args):
-        load_fused_experts(sd, folder, args, read_hf_tensors(folder))
+        load_fused_experts(sd, folder, args, found)
     for name, names in grouped.items():
         local = sd[name].to_local() if isinstance(sd[name], DTensor) else sd[name]
         for j, hf in enumerate(names):
