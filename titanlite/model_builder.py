@@ -12,6 +12,7 @@ from titanlite.config import JobConfig
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.loss import training_loss
 from titanlite.models.lora import apply_lora
+from titanlite.models.nf4 import quantize_base
 from titanlite.models.registry import model_class
 from titanlite.models.stage import StageModule, keep_only, part_sizes
 from titanlite.parallel.ac import apply_ac
@@ -55,6 +56,13 @@ def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
     return 0 if compiled_loss(cfg, tp) else cfg.training.loss_chunk_tokens
 
 
+def lora_base_dtype(cfg: JobConfig) -> torch.dtype:
+    """The dtype of a LoRA run's frozen base (with nf4: of the weights not quantized, and the one the 4-bit weights
+    dequantize to)."""
+    name = cfg.training.mixed_precision_param if cfg.lora.base_dtype == "nf4" else cfg.lora.base_dtype
+    return TORCH_DTYPES[name]
+
+
 def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool = False) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `meshes` (None: not sharded).
 
@@ -82,7 +90,9 @@ def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool 
     if cfg.float8.enable and not inference:  # before AC, compile and FSDP, which then wrap the float8 linears
         float8 = apply_float8(model, cfg.float8)
     if cfg.lora.enable:  # adapters follow the tensor-parallel split of their projections; the rest is frozen
-        apply_lora(model, cfg.lora, base_dtype=None if inference else TORCH_DTYPES[cfg.lora.base_dtype])
+        apply_lora(model, cfg.lora, base_dtype=None if inference else lora_base_dtype(cfg))
+        if cfg.lora.base_dtype == "nf4" and not inference:  # QLoRA: FSDP then splits the 4-bit weights by rows
+            quantize_base(model, cfg.lora.nf4_block_size, cfg.lora.nf4_scaler_block_size, lora_base_dtype(cfg))
     if args.moe:
         model.set_load_balance("none" if inference else cfg.moe.load_balance)
         if meshes is not None:

@@ -26,6 +26,7 @@ from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
 from titanlite.models.lora import apply_lora, resolve_targets
+from titanlite.models.nf4 import nf4_api, nf4_problem
 from titanlite.models.registry import model_args, model_class
 from titanlite.observe.wandb_tracker import wandb_problem
 from titanlite.parallel import compile as compile_kind
@@ -116,6 +117,30 @@ def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
         check_peft_folder(Path(lora.initial_adapter_path).expanduser(), lora, args)
 
 
+def check_qlora(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+    """ConfigError when lora.base_dtype = 'nf4' cannot hold this run's base: no torchao, tensor parallelism, or
+    block sizes that do not divide a weight's share."""
+    lora = cfg.lora
+    if not (lora.enable and lora.base_dtype == "nf4"):
+        return
+    nf4_api()  # torchao installed
+    if dims.tp > 1:
+        raise ConfigError(
+            f"lora.base_dtype = 'nf4' with parallelism.tensor_parallel_degree = {dims.tp} is not supported: "
+            "torchao's NF4 tensor is split by rows for FSDP only (a row-parallel projection splits its columns); "
+            "set tensor_parallel_degree = 1, or lora.base_dtype = 'bfloat16'"
+        )
+    if lora.nf4_block_size % 2:
+        raise ConfigError(
+            f"lora.nf4_block_size = {lora.nf4_block_size}: NF4 packs two 4-bit codes per byte, so a block holds an "
+            "even number of weights; valid: an even number > 0 (QLoRA's 64)"
+        )
+    with torch.device("meta"):
+        model = model_class(cfg.model.name)(args)
+    if problem := nf4_problem(model, dims.fsdp_size, lora.nf4_block_size, lora.nf4_scaler_block_size):
+        raise ConfigError(problem)
+
+
 def machine_memory(device_type: str) -> int:
     """Bytes of memory one rank's device has: the GPU's, or this machine's RAM for the CPU."""
     if device_type == "cuda":
@@ -204,6 +229,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
     check_parallelism(cfg, dims, args, device_type)
     check_lora(cfg, args)
+    check_qlora(cfg, dims, args)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
         raise ConfigError(

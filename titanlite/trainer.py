@@ -24,6 +24,7 @@ from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import NonFiniteLossError
 from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss, training_loss
 from titanlite.model_builder import build_model, compiled_loss
+from titanlite.models.nf4 import materialize_nf4
 from titanlite.models.rope_attention import describe_attention
 from titanlite.moe_balance import LoadBalance
 from titanlite.observe.metrics import MetricsLogger
@@ -157,6 +158,7 @@ class Trainer:
         self.num_sharded = built.num_sharded  # fully_shard units besides the roots
         model, pipeline, roots = built.model, None, [built.model]
         model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
+        materialize_nf4(model)
         model.init_weights(cfg.training.seed)
         if built.stages:
             roots = built.stages

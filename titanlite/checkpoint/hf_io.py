@@ -27,6 +27,7 @@ from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.export_target import shown
 from titanlite.checkpoint.hf_folder import INDEX, check_hf_weights, safetensors_module
 from titanlite.checkpoint.hf_fused_experts import fused_export_state, interleave, load_fused_experts
+from titanlite.checkpoint.nf4_loading import load_quantized, quantized_weights
 from titanlite.checkpoint.safe_reading import load_metadata
 from titanlite.compat import consolidate_hf_safetensors, local_rows
 from titanlite.errors import ConfigError
@@ -103,12 +104,13 @@ def _permute_rows(t: torch.Tensor, heads: int, fn, placements=None) -> torch.Ten
 def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
     """Load a HF folder's weights into the (sharded or plain) model; each rank reads only its slices."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader  # needs safetensors: checked above
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     folder = pathlib.Path(folder).expanduser()
     args = model.args
     found = check_hf_weights(folder, args)
-    sd = get_model_state_dict(model)
+    quantized = quantized_weights(model)  # QLoRA's 4-bit weights: read whole, one block at a time (below)
+    sd = {k: v for k, v in get_model_state_dict(model).items() if k not in quantized}
     dest, permuted, grouped = {}, {}, {}
     for name, t in sd.items():
         if not stored_in_hf(name, args) or is_fused_expert(name, args):  # fused: read below
@@ -144,7 +146,24 @@ def load_hf_weights(model: torch.nn.Module, folder: str | pathlib.Path) -> None:
         (target.to_local() if isinstance(target, DTensor) else target).copy_(
             value.to_local() if isinstance(value, DTensor) else value
         )
-    set_model_state_dict(model, sd)
+    set_model_state_dict(model, sd, options=StateDictOptions(strict=not quantized))
+    load_quantized(quantized, functools.partial(_read_whole, folder, args))
+
+
+def _read_whole(folder: pathlib.Path, args: ModelArgs, dest: dict[str, torch.Tensor]) -> None:
+    """Fill whole tensors (by titanlite name) from a HF folder in this process alone, q/k rows in titanlite's order."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(
+            {to_hf_name(n, args): t for n, t in dest.items()},
+            storage_reader=HuggingFaceStorageReader(str(folder)),
+            no_dist=True,
+        )
+    for name, t in dest.items():
+        if (heads := rope_heads(name, args)) is not None:
+            t.copy_(half_split_to_interleaved(t, heads, rotary=args.rope_dim))
 
 
 def warn_dropped_routing_bias(biases: dict[str, torch.Tensor], out: pathlib.Path, stored: bool = False) -> None:

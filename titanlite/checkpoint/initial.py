@@ -21,6 +21,7 @@ from titanlite.checkpoint.consolidated import (
     unreadable,
 )
 from titanlite.checkpoint.hf_io import load_hf_weights
+from titanlite.checkpoint.nf4_loading import load_quantized, quantized_weights
 from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import is_hf_folder
@@ -32,6 +33,7 @@ logger = logging.getLogger("titanlite")
 def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
     """Fill the (sharded) model's weights from `path`; each rank reads or keeps only its shards."""
     t0 = time.perf_counter()
+    quantized = quantized_weights(model)  # QLoRA's 4-bit weights: read whole, one block at a time
     if is_hf_folder(path):
         load_hf_weights(model, path)
     elif path.is_dir():
@@ -46,8 +48,12 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
         check_model_fits(
             _every_stage(model, model_sd), saved_shapes(metadata, prefix), str(path), _hint(metadata, prefix)
         )
+        for name in quantized:
+            del model_sd[name]
         try:
             safe_dcp_load({"model": model_sd} if prefix else model_sd, path)
+            # each rank reads its own blocks' weights whole (pipeline stages differ): no collectives
+            load_quantized(quantized, lambda d: safe_dcp_load({"model": d} if prefix else d, path, no_dist=True))
         except CheckpointException as e:
             raise unreadable(path, e) from None
         set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))
@@ -55,6 +61,7 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
         model_sd = _base_state(model)
         full = load_consolidated(path)
         check_model_fits(_every_stage(model, model_sd), {k: tuple(v.shape) for k, v in full.items()}, str(path))
+        load_quantized(quantized, lambda d: [t.copy_(full.pop(n)) for n, t in d.items()])
         # Every rank maps the file and keeps its own shard of each tensor.
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
     logger.info(

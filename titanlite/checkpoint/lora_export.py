@@ -16,10 +16,24 @@ from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.lora_io import saved_adapters, write_peft
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
+from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
 from titanlite.models.args import args_from_dict
 from titanlite.models.hf_names import is_routing_bias, routing_bias_shapes
 from titanlite.models.lora import merge_adapters
+from titanlite.models.nf4 import nf4_api, quantized_linears
+
+
+def dequantize_like_training(model: torch.nn.Module, cfg) -> int:
+    """Replace every weight that a QLoRA run held in NF4 by its dequantized value (quantized whole, with the run's
+    block sizes, from the run's compute dtype); returns how many. The model is plain and in float32."""
+    to_nf4 = nf4_api().to_nf4
+    dtype = TORCH_DTYPES[cfg.training.mixed_precision_param]
+    linears = quantized_linears(model)
+    for linear in linears.values():
+        q = to_nf4(linear.weight.detach().to(dtype), cfg.lora.nf4_block_size, cfg.lora.nf4_scaler_block_size)
+        linear.weight.copy_(q.get_original_weight())
+    return len(linears)
 
 
 def lora_base_of(step: Path) -> dict | None:
@@ -72,6 +86,13 @@ def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_
     missing, unexpected = model.load_state_dict(adapters, strict=False)  # the routing bias too: saving warns
     if unexpected:
         raise ConfigError(f"--checkpoint {step} holds {unexpected[0]}, which its [lora] settings do not make")
+    if cfg.lora.base_dtype == "nf4":  # the adapters learnt against the 4-bit base: merge into what it computed
+        n = dequantize_like_training(model, cfg)
+        print(
+            f"The base was trained in nf4 (QLoRA): its {n} quantized weights are dequantized to "
+            f"{cfg.training.mixed_precision_param} and the adapters merged into them in float32; the export then "
+            "rounds each merged weight to the export dtype once"
+        )
     merge_adapters(model)
     out_dtype = dtype or next(v for k, v in adapters.items() if not is_routing_bias(k)).dtype
     save_hf_sharded(model, output, out_dtype, build_tokenizer(cfg.model.tokenizer_path), max_file_bytes)

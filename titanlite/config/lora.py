@@ -23,7 +23,7 @@ LORA_TARGETS = (
     "experts.gate_up_proj",  # an MoE's experts (peft's target_parameters on transformers 5's fused expert tensors)
     "experts.down_proj",
 )
-BASE_DTYPES = ("float32", "bfloat16")
+BASE_DTYPES = ("float32", "bfloat16", "nf4")
 
 
 @dataclass
@@ -52,10 +52,17 @@ class Lora:
     )
     base_dtype: str = setting(
         "float32",
-        "dtype the frozen base weights are kept in: float32, or bfloat16 (half the memory, no fp32 copy; needs "
-        "training.mixed_precision_param = bfloat16); adapters and their optimizer state stay float32",
+        "dtype the frozen base weights are kept in: float32, bfloat16 (half the memory, no fp32 copy; needs "
+        "training.mixed_precision_param = bfloat16), or nf4 (QLoRA: the blocks' linears in 4 bits through torchao, "
+        "the rest of the base in training.mixed_precision_param); adapters and their optimizer state stay float32",
         one_of(*BASE_DTYPES),
         " or ".join(BASE_DTYPES),
+    )
+    nf4_block_size: int = setting(
+        64, "nf4: weights per quantization block (one scale each; QLoRA's 64)", positive, POSITIVE
+    )
+    nf4_scaler_block_size: int = setting(
+        256, "nf4: block scales per second-level block (double quantization; QLoRA's 256)", positive, POSITIVE
     )
     initial_adapter_path: str = setting(
         "",

@@ -27,6 +27,7 @@ from titanlite.models.layer_masks import block_mask, layer_masks, needs_sdpa_mas
 from titanlite.models.lora import adapter_init, is_adapter
 from titanlite.models.mla import LatentAttention
 from titanlite.models.moe import MoE, aux_loss_sum, moe_layers, record_forward
+from titanlite.models.nf4 import local_nf4, write_full
 from titanlite.models.rope_attention import apply_rope, attend, block_causal_mask, cached_attention_mask, rope_table
 from titanlite.models.sinks import attend_with_sinks
 
@@ -313,6 +314,9 @@ class Transformer(nn.Module):
             full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
             gen = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
             self._init_rule(name)(full, gen)
+            if local_nf4(param) is not None:  # QLoRA's base: the whole weight quantized, this rank's rows kept
+                write_full(param, full)
+                continue
             if isinstance(param, DTensor):
                 # src_data_rank=None: every rank drew the same full tensor; keep the local shard, no comms.
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

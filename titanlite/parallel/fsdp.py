@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titanlite.dtypes import TORCH_DTYPES
+from titanlite.models.nf4 import local_nf4
 from titanlite.parallel.ep import expert_fsdp_mesh
 
 
@@ -68,10 +69,19 @@ def apply_fsdp(
             unit, mesh=expert_fsdp_mesh(expert_mesh, mesh), mp_policy=mp, offload_policy=offload,
             reshard_after_forward=reshard,
         )  # fmt: skip
+    # QLoRA's 4-bit weights on a shard group of one rank: torch 2.13's FSDP2 then copies only the first of an
+    # all-gather extension's inputs, so FSDP leaves them alone (frozen: nothing to reduce either).
+    ignored = {p for p in model.parameters() if local_nf4(p) is not None} if mesh.size(mesh.ndim - 1) == 1 else None
     for modules, reshard in zip(groups, policy):
         target = modules[0] if len(modules) == 1 else modules
-        fully_shard(target, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=policy[-1])
+        fully_shard(
+            target, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard,
+            ignored_params=ignored,
+        )  # fmt: skip
+    fully_shard(
+        model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=policy[-1],
+        ignored_params=ignored,
+    )  # fmt: skip
     return len(groups) + len(experts)
 
 

@@ -1,0 +1,137 @@
+"""QLoRA (lora.base_dtype = "nf4", torchao's NF4 tensor) on the CPU with gloo: the same losses and adapter gradients
+(fp32, 1e-5) in one process, FSDP(2) from a DCP or a HF base, plain replication (2) and PP(2); exact resume; the
+4-bit base differs from the full-precision one, by little; the merged HF export dequantizes it."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from helpers import ckpt_argv, make_trainer, run_distributed, run_module, tiny_argv
+
+if importlib.util.find_spec("torchao") is None:  # the test extra installs it; an import here would be noisy
+    pytest.skip("torchao is not installed", allow_module_level=True)
+
+# The tiny model's smallest weight (k: 32 x 64) split over 2 ranks holds 1024 weights: blocks of 16 x 8 divide it.
+NF4 = ("--lora.base_dtype", "nf4", "--lora.nf4_block_size", "16", "--lora.nf4_scaler_block_size", "8")
+TOKENS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_nf4_bits_and_what_is_quantized():
+    from titanlite.config import load
+    from titanlite.model_builder import build_model
+    from titanlite.models.nf4 import NF4_BITS, local_nf4
+    from titanlite.models.registry import model_args
+
+    assert abs(NF4_BITS - 4.127) < 1e-3  # QLoRA's figure for blocks of 64 and 256
+    cfg = load(["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--lora.enable", "true", *NF4])
+    args = model_args(cfg.model, 256, 32)
+    model = build_model(cfg, args, None).model
+    nf4 = {n for n, p in model.named_parameters() if local_nf4(p) is not None}
+    assert nf4 and all(n.startswith("layers.") and n.endswith(".weight") for n in nf4)
+    assert not any("router" in n or "lora_" in n or "norm" in n for n in nf4)
+    assert "layers.0.attention.wq.weight" in nf4
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert nf4 <= frozen and all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def _make_base(tmp):
+    make_trainer(
+        ckpt_argv(f"{tmp}/base", "--training.steps", "3", "--checkpoint.interval", "3", "--checkpoint.last_save_in_hf")
+    ).train()
+
+
+def _argv(tmp, base, *extra):
+    return tiny_argv(
+        tmp, "--lora.enable", "true", "--lora.rank", "4", "--checkpoint.initial_load_path", str(base),
+        "--training.global_batch_size", "8", "--training.steps", "6", *extra,
+    )  # fmt: skip
+
+
+def _runs(tmp, base, runs, resume=()):
+    """Per run (name, argv): losses, step-0 logits and every adapter's gradient of one more step; with resume (the
+    argv of a run): its losses saving at 3 and 6, and again from step 3."""
+    out = {}
+    for name, argv in runs:
+        t = make_trainer(_argv(f"{tmp}/{name}", base, *argv))
+        logits = None
+        if not getattr(t.model, "pipeline_part", False):  # a pipeline rank's model holds its stages only
+            with torch.no_grad():
+                logits = _full(t.model(TOKENS)).clone()
+        losses = t.train()
+        t.optimizer.step, t.optimizer.zero_grad = (lambda *a, **k: None), (lambda *a, **k: None)
+        data = t.dataloader.next_step()
+        t.train_step(data.microbatches, data.global_valid_tokens)
+        grads = {n: _full(p.grad).clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        out[name] = (losses, logits, grads)
+    if resume:
+        ckpt = ("--checkpoint.enable", "--checkpoint.interval", "3", *resume)
+        out["first"] = make_trainer(_argv(f"{tmp}/resume", base, *ckpt)).train()
+        out["again"] = make_trainer(_argv(f"{tmp}/resume", base, *ckpt, "--checkpoint.load_step", "3")).train()
+    return out
+
+
+@pytest.mark.slow
+def test_qlora_same_losses_at_every_topology_exact_resume_and_export(tmp_path):
+    run_distributed(_make_base, 1, str(tmp_path))
+    dcp_base, hf_base = tmp_path / "base/checkpoint/step-3", tmp_path / "base/checkpoint/hf-step-3"
+    half = ("--training.local_batch_size", "4")
+    results = run_distributed(_runs, 1, str(tmp_path / "one"), dcp_base, [("lora", ()), ("one", NF4)])[0]
+    two = [
+        ("fsdp2", (*NF4, *half)),
+        ("fsdp2_hf_base", (*NF4, *half, "--checkpoint.initial_load_path", str(hf_base))),
+        ("replicate2", (*NF4, *half, "--parallelism.data_parallel_replicate_degree", "2")),
+        ("pp2", (*NF4, "--parallelism.pipeline_parallel_degree", "2")),
+    ]
+    results.update(run_distributed(_runs, 2, str(tmp_path / "two"), dcp_base, two, (*NF4, *half))[0])
+    ref_losses, ref_logits, ref_grads = results["one"]
+    lora_losses, lora_logits, _ = results["lora"]
+    # the 4-bit base is another model than its full-precision self, by little
+    assert 1e-5 < (ref_logits - lora_logits).abs().max() < 0.05
+    assert all(1e-6 < abs(ref_losses[s] - lora_losses[s]) < 0.01 for s in ref_losses)
+    for name, _ in two:
+        losses, logits, grads = results[name]
+        for step in ref_losses:
+            assert abs(losses[step] - ref_losses[step]) < 1e-5, (name, step, losses[step], ref_losses[step])
+        if name != "pp2":
+            torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+            assert grads.keys() == ref_grads.keys(), name
+        for n in grads:
+            torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
+    first, again = results["first"], results["again"]
+    assert sorted(again) == [4, 5, 6] and all(again[s] == first[s] for s in again)
+
+    # export --format hf merges the adapters into the dequantized 4-bit base
+    out = tmp_path / "merged"
+    step = tmp_path / "two/resume/checkpoint/step-6"
+    r = run_module("titanlite.checkpoint", "export", "--checkpoint", step, "--format", "hf", "--output", out)
+    assert r.returncode == 0, r.stderr
+    assert "nf4" in r.stdout + r.stderr
+    merged = run_distributed(_merged_logits, 1, str(tmp_path / "check"), out)[0]
+    torch.testing.assert_close(merged, _resumed_logits_reference(tmp_path, dcp_base, step), rtol=0, atol=1e-4)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+
+def _merged_logits(tmp, folder):
+    t = make_trainer(tiny_argv(tmp, "--checkpoint.initial_load_path", str(folder), "--model.flavor", "hf"))
+    with torch.no_grad():
+        return _full(t.model(TOKENS)).clone()
+
+
+def _resumed_logits_reference(tmp_path, base, step):
+    """Logits of the QLoRA model with the adapters of `step` (one process: resumed, no step run)."""
+    return run_distributed(_logits_at, 1, str(tmp_path / "ref"), base, step)[0]
+
+
+def _logits_at(tmp, base, step):
+    import shutil
+
+    shutil.copytree(step, f"{tmp}/checkpoint/step-6")
+    t = make_trainer(_argv(tmp, base, *NF4, "--checkpoint.enable"))
+    with torch.no_grad():
+        return _full(t.model(TOKENS)).clone()
