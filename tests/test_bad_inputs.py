@@ -291,6 +291,15 @@ LORA = [
           "{tmp}/run/checkpoint/step-4"), ("lora.dropout = 0.1", "experts"), setup=_copy_run),
     Case("lora-bf16-base-fp32-compute", "config", "train", lora("--lora.base_dtype", "bfloat16"),
          ("lora.base_dtype = 'bfloat16'", "training.mixed_precision_param = 'float32'"), setup=_copy_run),
+    Case("qlora-block-size-does-not-divide-a-weight", "config", "train", lora("--lora.base_dtype", "nf4"),
+         ("layers.0.attention.wq.weight [64 x 64]", "lora.nf4_block_size * lora.nf4_scaler_block_size = 64 * 256"),
+         setup=_copy_run),
+    Case("qlora-odd-block-size", "config", "train", lora("--lora.base_dtype", "nf4", "--lora.nf4_block_size", "15"),
+         ("lora.nf4_block_size = 15", "an even number"), setup=_copy_run),
+    Case("qlora-with-tensor-parallelism", "config", "config",
+         ("--world-size", "2", "--model.flavor", "tiny", "--lora.enable", "true", "--lora.base_dtype", "nf4",
+          "--parallelism.tensor_parallel_degree", "2", "--checkpoint.initial_load_path", "{tmp}/run/checkpoint/step-4"),
+         ("lora.base_dtype = 'nf4' with parallelism.tensor_parallel_degree = 2", "FSDP only"), setup=_copy_run),
     Case("lora-last-save-in-hf", "config", "train", lora("--checkpoint.last_save_in_hf"),
          ("checkpoint.last_save_in_hf", "--format peft"), setup=_copy_run),
     Case("lora-adapter-without-lora", "config", "train", train("--lora.initial_adapter_path", "{tmp}/adapter"),
@@ -460,4 +469,15 @@ def test_bad_input(case, tmp_path, capsys, saved_run):
     if case.id == "float8-on-cpu" and TEST_DEVICE != "cpu":
         pytest.skip("the suite computes on a GPU here, where [float8] is allowed")
     SAVED[:] = [saved_run]
+    check(case, tmp_path, capsys)
+
+
+def test_qlora_without_torchao(tmp_path, capsys, saved_run, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    SAVED[:] = [saved_run]
+    case = Case("qlora-without-torchao", "config", "train", lora("--lora.base_dtype", "nf4"),
+                ("lora.base_dtype = 'nf4' needs torchao", "pip install torchao"), setup=_copy_run)  # fmt: skip
     check(case, tmp_path, capsys)
