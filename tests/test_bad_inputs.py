@@ -475,8 +475,8 @@ def test_bad_input(case, tmp_path, capsys, saved_run):
 def test_qlora_without_torchao(tmp_path, capsys, saved_run, monkeypatch):
     import importlib.util
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     SAVED[:] = [saved_run]
     case = Case("qlora-without-torchao", "config", "train", lora("--lora.base_dtype", "nf4"),
                 ("lora.base_dtype = 'nf4' needs torchao", "pip install torchao"), setup=_copy_run)  # fmt: skip
