@@ -92,6 +92,13 @@ CASES = {
         "--checkpoint.initial_load_path {base}",
         {"vocab": 8192},
     ),
+    "fsdp2_qlora_bf16_full": (
+        2,
+        "FSDP 2, QLoRA rank 16 on every projection, base in nf4 (the rest bf16), bf16 compute, full AC, vocab 4096",
+        "--training.mixed_precision_param bfloat16 --lora.enable true --lora.base_dtype nf4 "
+        "--checkpoint.initial_load_path {base} --activation_checkpoint.mode full",
+        {"vocab": 4096},
+    ),
 }
 
 
@@ -112,7 +119,10 @@ def estimate_parts(cfg, world: int) -> dict[str, int]:
 
     plan = validate_for_world(cfg, world, device_type=None)
     est = sizing.estimate(cfg, plan, world)
-    act = est.activations["total"] if est.peak_moment == "end of forward" else est.backward.activations
+    # in backward the tracker files a QLoRA linear's dequantized weight among its temporaries, with the activations
+    act = (
+        est.activations["total"] if est.peak_moment == "end of forward" else est.backward.activations + est.dequantized
+    )
     # last_microbatch_only: the unsharded gradients held between microbatches are FSDP's (Unsharded Grad)
     buffers = est.fsdp_buffers + (est.held_grads if est.held_grads != est.grads else 0)
     return {

@@ -21,7 +21,9 @@ attention backends) save a little less, so on GPUs this is an upper bound by a f
 
 Sharded state per rank is read from the sharded (meta) model: the local shard of every parameter
 (fp32 master weights, or a LoRA base in lora.base_dtype), as many bytes of gradients, and AdamW's two fp32
-moments, for the parameters that train (with LoRA: the adapters only; a frozen base has neither).
+moments, for the parameters that train (with LoRA: the adapters only; a frozen base has neither). A QLoRA base's
+4-bit weights count NF4_BITS (4.127) bits each, sharded and as FSDP gathers them, and each linear's dequantized copy
+(dequantized_bytes, of the largest such weight) is added to backward.
 
 FSDP's unsharded tensors (a = compute dtype, r = reduce dtype, units in forward order) follow FSDP2's own
 schedule (torch/distributed/fsdp/_fully_shard). The step's peak is the largest of three moments:
@@ -48,6 +50,8 @@ benchmarks/memory_estimate.py (tests/test_memory_estimate.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from titanlite.models.nf4 import NF4_BITS
 
 # Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
 # Under expert parallelism the busiest rank is taken to receive this many times the average routed tokens (headroom,
@@ -150,27 +154,37 @@ class ShardedState:
     optimizer: int
 
 
-def sharded_state_bytes(model, optimizer_states: int = 2) -> ShardedState:
-    """This rank's parameters (local shards, their own dtype), and for those that train their gradients (the same)
-    and optimizer states (fp32)."""
+def sharded_state_bytes(model, optimizer_states: int = 2, packed: frozenset[int] = frozenset()) -> ShardedState:
+    """This rank's parameters (local shards, their own dtype; packed: ids of those held in NF4 instead), and for those
+    that train their gradients (the same) and optimizer states (fp32)."""
     params = grads = optim = 0
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
-        params += local.numel() * local.element_size()
+        params += int(local.numel() * NF4_BITS / 8) if id(p) in packed else local.numel() * local.element_size()
         if p.requires_grad:
             grads += local.numel() * local.element_size()
             optim += optimizer_states * local.numel() * 4
     return ShardedState(params=params, grads=grads, optimizer=optim)
 
 
-def unit_numels(model, trainable_only: bool = False) -> list[int]:
+def unit_numels(
+    model, trainable_only: bool = False, packed: frozenset[int] = frozenset(), packed_ratio=1.0
+) -> list[int]:
     """Parameter count of each fully_shard unit of the model as FSDP gathers it (root excluded): all of it, or
-    this rank's tensor-parallel share; trainable_only: of the parameters that get gradients."""
+    this rank's tensor-parallel share; trainable_only: of the parameters that get gradients. packed: ids of the
+    parameters held in NF4, counted as packed_ratio (their bytes per weight / the compute dtype's) of their count."""
     out = []
     for group in model.shard_groups():
         seen = {id(p): p for m in group for p in m.parameters() if p.requires_grad or not trainable_only}
-        out.append(sum(gathered_numel(p) for p in seen.values()))
+        out.append(sum(int(gathered_numel(p) * (packed_ratio if i in packed else 1)) for i, p in seen.items()))
     return out
+
+
+def dequantized_bytes(numel: int, compute_bytes: int) -> int:
+    """The temporaries of dequantizing one NF4 weight of numel elements in a linear's forward or backward (torchao's
+    get_original_weight): two int64 halves of the codes and three compute-dtype tensors (measured with MemTracker on
+    CPU: 20.0 bytes per weight in fp32, 14.0 in bf16)."""
+    return numel * (8 + 3 * compute_bytes)
 
 
 def unit_blocks(model) -> list[int | None]:

@@ -16,6 +16,7 @@ from titanlite.compat import fake_store
 from titanlite.config import gradient_sync_mode
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model, chunked_loss_tokens, compiled_loss
+from titanlite.models.nf4 import NF4_BITS, quantized_linears
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.ac import ac_label, describe_ac_compile
 from titanlite.parallel.compile import compile_problem
@@ -51,6 +52,7 @@ class MemoryEstimate:
     setup_lines: list[str]  # the sharding lines of the start-up log
     ac_blocks: list[int]
     compiled: int
+    dequantized: int = 0  # QLoRA: the temporaries of dequantizing the largest 4-bit weight, in a linear's backward
 
     def moments(self) -> dict[str, int]:
         """Bytes on the GPU beyond the resident state at each moment that can make the step's peak (see
@@ -59,7 +61,12 @@ class MemoryEstimate:
         held = self.held_grads if self.grads_with_activations and not self.on_cpu else 0
         # With accumulation every gradient is held already: the walk's share of reduced ones is not added twice.
         walk = self.backward.total - (self.backward.grads if self.grads_with_activations or self.on_cpu else 0)
-        out = {"end of forward": self.forward_end_buffers + act["total"] + held, "backward": walk + held}
+        # QLoRA: a linear's dequantized weight is counted in backward, which dequantizes beside every block's saved
+        # activations; the end of forward is the loss's moment, after the last linear's copy is freed.
+        out = {
+            "end of forward": self.forward_end_buffers + act["total"] + held,
+            "backward": walk + held + self.dequantized,
+        }
         if not self.on_cpu:  # fused AdamW on GPUs makes no temporaries beside the gradients
             out["optimizer step"] = self.grads
         return out
@@ -159,11 +166,21 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         # [float8] changes no parameter or state (the weights stay bf16/fp32): sized without torchao, which the
         # machine running the dry run may lack; its activations are counted as bf16's (docs/performance.md).
         plain = replace(cfg, float8=replace(cfg.float8, enable=False))
+        # A QLoRA base is sized from its compute-dtype twin, without torchao: its 4-bit weights are counted packed.
+        nf4 = cfg.lora.enable and cfg.lora.base_dtype == "nf4"
+        if nf4:
+            plain = replace(plain, lora=replace(cfg.lora, base_dtype=cfg.training.mixed_precision_param))
         built = build_model(plain, plan.model_args, meshes)
         # As the Trainer does next (allocates nothing: Adam's state appears at the first step).
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
-        state = me.sharded_state_bytes(built.model)
-        units = me.unit_numels(built.model)
+        quantized = [m.weight for m in quantized_linears(built.model).values()] if nf4 else []
+        packed = frozenset(id(w) for w in quantized)
+        pbytes = dtype_bytes(cfg.training.mixed_precision_param)
+        state = me.sharded_state_bytes(built.model, packed=packed)
+        # FSDP leaves NF4 weights alone on a shard group of one rank (parallel/fsdp.py): nothing of them is gathered
+        ratio = NF4_BITS / 8 / pbytes if plan.dims.fsdp_size > 1 else 0.0
+        units = me.unit_numels(built.model, packed=packed, packed_ratio=ratio)
+        dequantized = max((me.gathered_numel(w) for w in quantized), default=0)
         grad_units = me.unit_numels(built.model, trainable_only=True)
         output_trains = built.model.output.weight.requires_grad
         adapters = sum(p.numel() for p in built.model.parameters() if p.requires_grad) if cfg.lora.enable else 0
@@ -175,7 +192,6 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     finally:
         dist.destroy_process_group()
     t = cfg.training
-    pbytes = dtype_bytes(t.mixed_precision_param)
     act = activations_for(cfg, plan, built.ac_blocks, t.local_batch_size)
     rbytes = dtype_bytes(t.mixed_precision_reduce)
     sync, _ = gradient_sync_plan(gradient_sync_mode(cfg.parallelism), plan.dims, plan.grad_accum)
@@ -207,6 +223,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         setup_lines=setup_lines,
         ac_blocks=built.ac_blocks,
         compiled=built.compiled,
+        dequantized=me.dequantized_bytes(dequantized, pbytes),
     )
     est.backward = backward_for(cfg, plan, est, t.local_batch_size, act)
     return est
@@ -232,6 +249,8 @@ def _params_text(cfg) -> str:
     """What the parameters row holds: fp32, or a LoRA base in its dtype and the fp32 adapters."""
     if not cfg.lora.enable:
         return "fp32"
+    if cfg.lora.base_dtype == "nf4":
+        return "base nf4 + fp32 adapter"
     return f"base {'bf16' if cfg.lora.base_dtype == 'bfloat16' else 'fp32'} + fp32 adapter"
 
 
@@ -243,7 +262,15 @@ def _lora_lines(cfg, est: MemoryEstimate) -> list[str]:
     return [
         f"LoRA: rank {cfg.lora.rank}, {est.adapter_params / 1e6:.1f}M adapter parameters ({share:.2%} of the model); "
         f"the frozen base ({cfg.lora.base_dtype}) has no gradients and no optimizer state"
-    ]
+    ] + (
+        [
+            f"QLoRA: the blocks' linears at {NF4_BITS:.3f} bits per weight (the rest of the base in "
+            f"{cfg.training.mixed_precision_param}); dequantizing the largest one takes "
+            f"{est.dequantized / GIB:.2f} GiB at each linear (counted in backward)"
+        ]
+        if cfg.lora.base_dtype == "nf4"
+        else []
+    )
 
 
 def _activation_text(tokens: int, dtype: str, ac: str) -> str:
