@@ -137,8 +137,10 @@ def _logits_at(tmp, base, step):
         return _full(t.model(TOKENS)).clone()
 
 
-DEBUG = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "4",
-         "--training.global_batch_size", "4", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "5"]  # fmt: skip
+DEBUG = [
+    "--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "4",
+    "--training.global_batch_size", "4", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "5",
+]  # fmt: skip
 
 
 def _curves(tmp):
