@@ -1,11 +1,12 @@
-"""LoRA against full fine-tuning on the CPU: step time and per-rank memory of the same model at FSDP(2).
+"""LoRA and QLoRA against full fine-tuning on the CPU: step time and per-rank memory of the same model at FSDP(2).
 
-    python benchmarks/lora.py                     # about 2 minutes on 2 CPU cores
+    python benchmarks/lora.py                     # about 3 minutes on 2 CPU cores
     python benchmarks/lora.py --rank 64 --reps 8
 
 Two Trainers of one shape (wide and shallow, as benchmarks/memory_estimate.py's) start from the same base weights
-(a random consolidated file): full fine-tuning (every weight trains, AdamW over all of them) and LoRA (rank --rank
-on every projection, the base frozen in the compute dtype). Step time: Trainer.train_step on the same random batch,
+(a random consolidated file): full fine-tuning (every weight trains, AdamW over all of them), LoRA (rank --rank
+on every projection, the base frozen in the compute dtype) and QLoRA (the same adapters, the blocks' linears of the
+base in NF4: lora.base_dtype = "nf4"). Step time: Trainer.train_step on the same random batch,
 timed interleaved (A B A B), the slowest rank's; the median of each and the median of the back-to-back ratios.
 Memory: torch's FSDPMemTracker over one step after a first one (so AdamW's state exists), rank 0: the step's peak
 and the parameters, gradients and optimizer state held at it.
@@ -29,6 +30,7 @@ def _modes(opts) -> dict[str, tuple[str, ...]]:
     return {
         "full fine-tuning": ("--checkpoint.initial_load_path", opts.base),
         f"LoRA r={opts.rank}": ("--checkpoint.initial_load_path", opts.base, *lora, "--lora.base_dtype", base),
+        f"QLoRA r={opts.rank}": ("--checkpoint.initial_load_path", opts.base, *lora, "--lora.base_dtype", "nf4"),
     }
 
 
@@ -78,7 +80,7 @@ def _memory_world(opts, name: str) -> dict:
 
 
 def _time_world(opts) -> dict:
-    """Both modes' step times, interleaved (A B A B)."""
+    """Every mode's step times, interleaved (A B C C B A ...)."""
     rank = int(os.environ["RANK"])
     with tempfile.TemporaryDirectory() as dump:
         trainers = {name: _trainer(opts, f"{dump}/{i}", extra) for i, (name, extra) in enumerate(_modes(opts).items())}
