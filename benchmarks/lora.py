@@ -30,7 +30,17 @@ def _modes(opts) -> dict[str, tuple[str, ...]]:
     return {
         "full fine-tuning": ("--checkpoint.initial_load_path", opts.base),
         f"LoRA r={opts.rank}": ("--checkpoint.initial_load_path", opts.base, *lora, "--lora.base_dtype", base),
-        f"QLoRA r={opts.rank}": ("--checkpoint.initial_load_path", opts.base, *lora, "--lora.base_dtype", "nf4"),
+        f"QLoRA r={opts.rank}": (
+            "--checkpoint.initial_load_path",
+            opts.base,
+            *lora,
+            "--lora.base_dtype",
+            "nf4",
+            "--lora.nf4_block_size",
+            str(opts.nf4_block),
+            "--lora.nf4_scaler_block_size",
+            str(opts.nf4_scaler_block),
+        ),  # fmt: skip
     }
 
 
@@ -103,6 +113,8 @@ def main(argv=None) -> None:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--reps", type=int, default=6, help="timed steps of each mode (interleaved)")
+    p.add_argument("--nf4-block", type=int, default=64, help="QLoRA: lora.nf4_block_size (small shapes need less)")
+    p.add_argument("--nf4-scaler-block", type=int, default=256, help="QLoRA: lora.nf4_scaler_block_size")
     opts = p.parse_args(argv)
     if opts.device == "cuda":
         raise SystemExit("--device cuda: this script measures CPU runs (FSDPMemTracker)")

@@ -117,11 +117,14 @@ def test_moe_benchmark_prints_its_tables():
 
 def test_lora_benchmark_prints_its_table():
     out = _bench("lora.py", "--reps", "2", "--layers", "1", "--hidden", "128", "--intermediate", "256",
-                 "--vocab", "1024", "--seq-len", "64", "--batch", "1", "--rank", "4")  # fmt: skip
+                 "--vocab", "1024", "--seq-len", "64", "--batch", "1", "--rank", "4", "--nf4-block", "16",
+                 "--nf4-scaler-block", "8")  # fmt: skip
     full = re.search(r"full fine-tuning\s+[\d.]+M of [\d.]+M\s+\d+\s+x1\.00\s+(\d+)", out)
-    lora = re.search(r"LoRA r=4\s+0\.0\dM of [\d.]+M\s+\d+\s+x[\d.]+\s+(\d+)\s+\d+\s+\d+\s+(\d+)", out)
-    assert full and lora, out
-    assert int(lora.group(2)) < 1  # no optimizer state for the base
+    lora = re.search(r"\nLoRA r=4\s+0\.0\dM of [\d.]+M\s+\d+\s+x[\d.]+\s+(\d+)\s+(\d+)\s+\d+\s+(\d+)", out)
+    qlora = re.search(r"QLoRA r=4\s+0\.0\dM of [\d.]+M\s+\d+\s+x[\d.]+\s+(\d+)\s+(\d+)\s+\d+\s+(\d+)", out)
+    assert full and lora and qlora, out
+    assert int(lora.group(3)) < 1 and int(qlora.group(3)) < 1  # no optimizer state for the base
+    assert int(qlora.group(2)) <= int(lora.group(2))  # the 4-bit base holds no more than the full-precision one
 
 
 def test_context_parallel_benchmark_prints_its_tables():
