@@ -481,3 +481,13 @@ def test_qlora_without_torchao(tmp_path, capsys, saved_run, monkeypatch):
     case = Case("qlora-without-torchao", "config", "train", lora("--lora.base_dtype", "nf4"),
                 ("lora.base_dtype = 'nf4' needs torchao", "pip install torchao"), setup=_copy_run)  # fmt: skip
     check(case, tmp_path, capsys)
+
+
+def test_fault_tolerance_with_another_torchft(tmp_path, capsys, saved_run, monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.0" if name == "torchft" else real(name))
+    case = Case("ft-torchft-0.3", "config", "train", train(*FT, "--fault_tolerance.lighthouse", "http://127.0.0.1:9"),
+                ("torchft 0.3.0 is installed", "0.2.x only", "pip install 'torchft>=0.2,<0.3'"))  # fmt: skip
+    check(case, tmp_path, capsys)

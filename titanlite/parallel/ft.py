@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -270,7 +271,25 @@ def problem(cfg, dims, args=None, device_type: str | None = None, inference: boo
             "fault_tolerance.enable = true needs torchft, which is not installed: pip install -e '.[ft]' "
             "(or pip install torchft), or set fault_tolerance.enable = false"
         )
+    if problem := torchft_version_problem():
+        return problem
     return lighthouse_problem(ft)
+
+
+TESTED_TORCHFT = "0.2"  # titanlite reads the Manager's private _quorum_future and _quorum_id, which 0.3 reworked
+
+
+def torchft_version_problem(installed: str | None = None) -> str | None:
+    """Why the installed torchft is not one titanlite works with (0.2.x), or None."""
+    installed = installed or importlib.metadata.version("torchft")
+    if installed.split(".")[:2] == TESTED_TORCHFT.split("."):
+        return None
+    return (
+        f"fault_tolerance.enable = true: torchft {installed} is installed, but titanlite works with torchft "
+        f"{TESTED_TORCHFT}.x only (it reads the Manager's quorum internals, which 0.3 reworked; a lighthouse and "
+        f"replicas of different versions would not agree): pip install 'torchft>={TESTED_TORCHFT},<0.3' (the "
+        "ft extra pins it), for the lighthouse too"
+    )
 
 
 def data_slice(cfg, dims, dp_rank: int) -> tuple[int, int]:
