@@ -193,8 +193,10 @@ LAYOUTS = {
     "moe_pp2_aux_loss": ("--model.name", "qwen3_moe", "--parallelism.pipeline_parallel_degree", "2",
                          "--moe.aux_loss_coef", "0.1", "--model.tie_embeddings", "false",
                          "--training.local_batch_size", "4"),
+    # QLoRA: adapters on a 4-bit base (the same codes in every group; the weights' check reads them)
     "lora": ("--model.name", "qwen3_moe", "--lora.enable", "true", "--lora.rank", "4", "--lora.targets",
-             "q_proj,k_proj,v_proj,o_proj", "--model.tie_embeddings", "false", "--training.local_batch_size", "2"),
+             "q_proj,k_proj,v_proj,o_proj", "--model.tie_embeddings", "false", "--training.local_batch_size", "2",
+             "--lora.base_dtype", "nf4", "--lora.nf4_block_size", "16", "--lora.nf4_scaler_block_size", "8"),
 }  # fmt: skip
 HEALED = "moe_ep2_aux_free"  # its groups then heal one from the other
 BASE = "moe_pp2_aux_loss"  # its single job's checkpoint is lora's base
@@ -225,7 +227,8 @@ def _trained(t) -> dict:
                        stages_here=len(t.pipeline.stages) if t.pipeline else 0,
                        trainable=sorted(n for n, p in t.model.named_parameters() if p.requires_grad)),
         "healed_at": getattr(t.replicas, "healed_at", None),
-        "state": {k: local(v).clone() for k, v in t.model.state_dict().items()},
+        # a QLoRA weight by its codes (torchao's NF4 clone re-quantizes with its default block sizes)
+        "state": {k: getattr(local(v), "quantized_data", local(v)).clone() for k, v in t.model.state_dict().items()},
         "moments": {(i, k): local(v).clone() for i, s in t.optimizer.state_dict()["state"].items()
                     for k, v in s.items() if torch.is_tensor(v)},
     }  # fmt: skip
@@ -271,7 +274,7 @@ def _layouts_world(tmp, lighthouse: str) -> dict:
 @pytest.mark.slow
 def test_groups_with_experts_context_lora_or_pipeline_inside_give_one_jobs_losses(tmp_path):
     """Two fault-tolerant groups of 2 processes, each with MoE x EP(2) (aux_free: the routing bias), MoE x EP(2) x
-    CP(2) (aux_loss: its term's scale), MoE x PP(2) (aux_loss in the stages' backward) or LoRA (on an MoE) inside,
+    CP(2) (aux_loss: its term's scale), MoE x PP(2) (aux_loss in the stages' backward) or QLoRA (on an MoE) inside,
     train as one job of replicate 2 x that layout (fp32, 1e-5: losses, gradient norms, logged load balance, routing
     biases); then a restarted MoE group heals (expert shards, routing bias, Adam's moments) and both end
     bit-identical."""

@@ -29,6 +29,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from titanlite.models.nf4 import local_nf4
+
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 LIGHTHOUSE_COMMAND = (
     "torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 --quorum_tick_ms 100 --bind [::]:29510"
@@ -171,9 +173,16 @@ def describe_difference(settings: dict[str, str], keys: list[str], peer: dict[st
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor whose bits stand for t: a QLoRA base weight's 4-bit codes (its NF4 tensor has no int view)."""
+    nf4 = local_nf4(t)
+    return t if nf4 is None else nf4.quantized_data
+
+
 def weights_fingerprint(tensors) -> int:
     """A 32-bit fingerprint of these tensors' exact bits (their integer sums, in order; on the device, one host
     read), the same on every rank of the group: each rank hashes its shards and the group sums the hashes."""
+    tensors = [_bits(t) for t in tensors]
     sums = [
         t.detach().contiguous().reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
         for t in tensors
