@@ -25,10 +25,11 @@ def _full(t):
 def test_nf4_bits_and_what_is_quantized():
     from titanlite.config import load
     from titanlite.model_builder import build_model
-    from titanlite.models.nf4 import NF4_BITS, local_nf4
+    from titanlite.models.nf4 import local_nf4
     from titanlite.models.registry import model_args
+    from titanlite.sizing.memory import nf4_bits
 
-    assert abs(NF4_BITS - 4.127) < 1e-3  # QLoRA's figure for blocks of 64 and 256
+    assert abs(nf4_bits(64, 256, 4) - 4.127) < 1e-3  # QLoRA's figure for blocks of 64 and 256, fp32 factors
     cfg = load(["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--lora.enable", "true", *NF4])
     args = model_args(cfg.model, 256, 32)
     model = build_model(cfg, args, None).model
@@ -115,6 +116,13 @@ def test_qlora_same_losses_at_every_topology_exact_resume_and_export(tmp_path):
     merged = run_distributed(_merged_logits, 1, str(tmp_path / "check"), out)[0]
     torch.testing.assert_close(merged, _resumed_logits_reference(tmp_path, dcp_base, step), rtol=0, atol=1e-4)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+    # generate samples from the 4-bit base + adapters (dequantized as training saw it) as from the merged folder
+    greedy = ("--prompt", "The cat", "--max-new-tokens", "12", "--temperature", "0")
+    qlora = run_module("titanlite.generate", "--checkpoint", step, "--model.flavor", "tiny", *greedy)
+    merged_out = run_module("titanlite.generate", "--checkpoint", out, *greedy)
+    assert qlora.returncode == 0 and merged_out.returncode == 0, (qlora.stderr[-2000:], merged_out.stderr[-2000:])
+    assert "nf4" in qlora.stderr and qlora.stdout == merged_out.stdout and len(qlora.stdout) > len("The cat")
 
 
 def _merged_logits(tmp, folder):

@@ -117,13 +117,28 @@ def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
         check_peft_folder(Path(lora.initial_adapter_path).expanduser(), lora, args)
 
 
-def check_qlora(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
-    """ConfigError when lora.base_dtype = 'nf4' cannot hold this run's base: no torchao, tensor parallelism, or
-    block sizes that do not divide a weight's share."""
+def check_qlora(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device_type: str | None) -> None:
+    """ConfigError when lora.base_dtype = 'nf4' cannot hold this run's base: no torchao (not asked of the dry run,
+    which sizes it without), tensor parallelism, CPU offload, a partial reshard, or block sizes that do not divide a
+    weight's share."""
     lora = cfg.lora
     if not (lora.enable and lora.base_dtype == "nf4"):
         return
-    nf4_api()  # torchao installed
+    if device_type is not None:
+        nf4_api()  # torchao installed
+    if cfg.training.enable_cpu_offload:
+        raise ConfigError(
+            "lora.base_dtype = 'nf4' with training.enable_cpu_offload = true is not supported: FSDP leaves the 4-bit "
+            "weights alone on a shard group of one rank, where offloading would leave them on the host, and the "
+            "offloaded NF4 path has not run on a GPU; set enable_cpu_offload = false (the 4-bit base is small)"
+        )
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    if reshard.isdigit() and 1 < int(reshard) < dims.fsdp_size:
+        raise ConfigError(
+            f"lora.base_dtype = 'nf4' with parallelism.fsdp_reshard_after_forward = {reshard!r} is not supported: "
+            "FSDP2 reshards to a smaller group only the weights it gathers as one tensor, and an NF4 weight is "
+            "gathered as three; use 'default', 'always' or 'never'"
+        )
     if dims.tp > 1:
         raise ConfigError(
             f"lora.base_dtype = 'nf4' with parallelism.tensor_parallel_degree = {dims.tp} is not supported: "
@@ -229,7 +244,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
     check_parallelism(cfg, dims, args, device_type)
     check_lora(cfg, args)
-    check_qlora(cfg, dims, args)
+    check_qlora(cfg, dims, args, device_type)
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
         raise ConfigError(

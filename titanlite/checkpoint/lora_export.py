@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.checkpoint.base_identity import check_same_base, fingerprint
 from titanlite.checkpoint.base_identity import read as read_lora_base
@@ -24,16 +25,31 @@ from titanlite.models.lora import merge_adapters
 from titanlite.models.nf4 import nf4_api, quantized_linears
 
 
+@torch.no_grad()
 def dequantize_like_training(model: torch.nn.Module, cfg) -> int:
     """Replace every weight that a QLoRA run held in NF4 by its dequantized value (quantized whole, with the run's
-    block sizes, from the run's compute dtype); returns how many. The model is plain and in float32."""
+    block sizes, from the run's compute dtype); returns how many. The model is plain, or sharded (DTensor weights:
+    every rank gathers each weight in turn)."""
     to_nf4 = nf4_api().to_nf4
     dtype = TORCH_DTYPES[cfg.training.mixed_precision_param]
     linears = quantized_linears(model)
     for linear in linears.values():
-        q = to_nf4(linear.weight.detach().to(dtype), cfg.lora.nf4_block_size, cfg.lora.nf4_scaler_block_size)
-        linear.weight.copy_(q.get_original_weight())
+        w = linear.weight
+        full = w.full_tensor() if isinstance(w, DTensor) else w
+        q = to_nf4(full.detach().to(dtype), cfg.lora.nf4_block_size, cfg.lora.nf4_scaler_block_size)
+        value = q.get_original_weight().to(w.dtype)
+        if isinstance(w, DTensor):
+            value = distribute_tensor(value, w.device_mesh, w.placements, src_data_rank=None)
+        w.copy_(value)
     return len(linears)
+
+
+def nf4_base_note(n: int, cfg) -> str:
+    """What a QLoRA checkpoint's export or sampling does with its base."""
+    return (
+        f"The base was trained in nf4 (QLoRA): its {n} quantized weights are dequantized to "
+        f"{cfg.training.mixed_precision_param} as training saw them"
+    )
 
 
 def lora_base_of(step: Path) -> dict | None:
@@ -87,11 +103,9 @@ def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_
     if unexpected:
         raise ConfigError(f"--checkpoint {step} holds {unexpected[0]}, which its [lora] settings do not make")
     if cfg.lora.base_dtype == "nf4":  # the adapters learnt against the 4-bit base: merge into what it computed
-        n = dequantize_like_training(model, cfg)
         print(
-            f"The base was trained in nf4 (QLoRA): its {n} quantized weights are dequantized to "
-            f"{cfg.training.mixed_precision_param} and the adapters merged into them in float32; the export then "
-            "rounds each merged weight to the export dtype once"
+            f"{nf4_base_note(dequantize_like_training(model, cfg), cfg)}, and the adapters merged into them in "
+            "float32; the export then rounds each merged weight to the export dtype once"
         )
     merge_adapters(model)
     out_dtype = dtype or next(v for k, v in adapters.items() if not is_routing_bias(k)).dtype

@@ -58,7 +58,7 @@ def check_lora_resume(path: Path, lora, identity: dict | None, args: ModelArgs |
         return
     check_same_base(saved, identity, str(path))
     trained = saved_lora(path)
-    if args is not None and trained is not None and (diff := lora_differences(trained, lora, args)):
+    if args is not None and trained is not None and (diff := lora_differences(trained, lora, args, base=True)):
         key, then, now = diff[0]
         raise ConfigError(
             f"lora.{key} = {now!r}, but {path} was trained with lora.{key} = {then!r} ({path / 'job_config.toml'}): "
@@ -84,11 +84,15 @@ def saved_lora(step: Path):
     return lora
 
 
-def lora_differences(trained, lora, args: ModelArgs) -> list[tuple[str, object, object]]:
+def lora_differences(trained, lora, args: ModelArgs, base: bool = False) -> list[tuple[str, object, object]]:
     """(key, trained value, this value) for each of rank, alpha, use_rslora and targets (compared as the roles they
-    resolve to) where two [lora] sections give adapters of another shape or scale."""
+    resolve to) where two [lora] sections give adapters of another shape or scale; base: also a 4-bit base quantized
+    otherwise (base_dtype to or from nf4, nf4 block sizes), another model under the adapters."""
     out = []
-    for key in ("rank", "alpha", "use_rslora", "targets"):
+    keys = ["rank", "alpha", "use_rslora", "targets"]
+    if base and "nf4" in (getattr(trained, "base_dtype", None), lora.base_dtype):
+        keys += ["base_dtype", "nf4_block_size", "nf4_scaler_block_size"]
+    for key in keys:
         then, now = getattr(trained, key), getattr(lora, key)
         same = _roles(then, args) == _roles(now, args) if key == "targets" else then == now
         if not same:

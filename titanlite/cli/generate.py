@@ -18,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from titanlite.checkpoint.catalog import checkpoint_folder
+from titanlite.checkpoint.lora_export import dequantize_like_training, nf4_base_note
 from titanlite.config import load
 from titanlite.data.chat import load_template
 from titanlite.data.tokenizers import build_tokenizer
@@ -156,6 +157,8 @@ def run(argv: list[str]) -> str:
         logger.info(f"Untrained weights (seed {cfg.training.seed})")
     else:
         load_weights(model, checkpoint)
+        if cfg.lora.enable and cfg.lora.base_dtype == "nf4":  # the adapters learnt against the 4-bit base
+            logger.info(f"{nf4_base_note(dequantize_like_training(model, cfg), cfg)}, for sampling")
         a = model.args
         logger.info(f"Loaded {checkpoint}: {a.family}, {a.n_layers} blocks, dim {a.dim}, vocab {a.vocab_size}")
     load_adapters(model, cfg)  # a peft folder's adapters on a base without its own

@@ -19,8 +19,6 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.errors import ConfigError
 
-# Bits per weight: a 4-bit code, an int8 scale per block of 64 and an fp32 factor per 256 scales (QLoRA's 4.127).
-NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)
 _NF4_TENSOR = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 _NOT_QUANTIZED = ("router",)  # a router's few weights decide the routing: kept in full precision, as its bias
 
@@ -114,9 +112,10 @@ def nf4_problem(model: nn.Module, shards: int, block_size: int, scaler_block_siz
         rows, cols = linear.weight.shape
         if rows % shards or (rows // shards * cols) % unit:
             return (
-                f"{name}.weight [{rows} x {cols}] split by rows over {shards} data-parallel rank(s) gives "
+                f"{name}.weight [{rows} x {cols}] split by rows over {shards} FSDP rank(s) gives "
                 f"{rows * cols / shards:g} weights per rank, not a multiple of lora.nf4_block_size * "
                 f"lora.nf4_scaler_block_size = {block_size} * {scaler_block_size} = {unit}: choose block sizes whose "
-                "product divides every weight's share (smaller ones, e.g. 64 and 64), or another data-parallel degree"
+                "product divides every weight's share (smaller ones, e.g. 64 and 64), or another "
+                "data_parallel_shard_degree (the replicate degree does not split weights)"
             )
     return None

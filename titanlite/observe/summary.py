@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from titanlite.dtypes import dtype_bytes
+from titanlite.models.nf4 import local_nf4
 from titanlite.sizing.flops import flops_per_token, param_counts
-from titanlite.sizing.memory import OPTIMIZER_STATES, sharded_state_bytes
+from titanlite.sizing.memory import OPTIMIZER_STATES, Packed, nf4_bits, sharded_state_bytes
 
 
 def human_bytes(n: float) -> str:
@@ -49,12 +51,20 @@ def trained_adapters(model: nn.Module, cfg) -> int | None:
     return sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.lora.enable else None
 
 
+def nf4_weights(model: nn.Module, cfg) -> Packed:
+    """A QLoRA model's NF4 weights, for the state's bytes (their element size would count them unpacked)."""
+    ids = frozenset(id(p) for p in model.parameters() if local_nf4(p) is not None)
+    lora = cfg.lora
+    bits = nf4_bits(lora.nf4_block_size, lora.nf4_scaler_block_size, dtype_bytes(cfg.training.mixed_precision_param))
+    return Packed(ids, bits)
+
+
 def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
     """Log lines describing the world, the model's size in total and on this rank, and this rank's state memory."""
     counts = param_counts(model_args)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     states = OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
-    mem = sharded_state_bytes(model, states)
+    mem = sharded_state_bytes(model, states, packed=nf4_weights(model, cfg))
     adapters = trained_adapters(model, cfg)
     fpt = flops_per_token(model_args, cfg.training.seq_len, adapters)
     job = cfg.job.config_file or "no config file (defaults)"

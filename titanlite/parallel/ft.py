@@ -173,16 +173,19 @@ def describe_difference(settings: dict[str, str], keys: list[str], peer: dict[st
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor whose bits stand for t: a QLoRA base weight's 4-bit codes (its NF4 tensor has no int view)."""
+def _bits(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors whose bits stand for t: a QLoRA base weight's codes, scales and their factors and mean (its
+    NF4 tensor has no integer view)."""
     nf4 = local_nf4(t)
-    return t if nf4 is None else nf4.quantized_data
+    if nf4 is None:
+        return [t]
+    return [nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean.reshape(1)]
 
 
 def weights_fingerprint(tensors) -> int:
     """A 32-bit fingerprint of these tensors' exact bits (their integer sums, in order; on the device, one host
     read), the same on every rank of the group: each rank hashes its shards and the group sums the hashes."""
-    tensors = [_bits(t) for t in tensors]
+    tensors = [b for t in tensors for b in _bits(t)]
     sums = [
         t.detach().contiguous().reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
         for t in tensors

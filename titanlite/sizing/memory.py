@@ -22,8 +22,8 @@ attention backends) save a little less, so on GPUs this is an upper bound by a f
 Sharded state per rank is read from the sharded (meta) model: the local shard of every parameter
 (fp32 master weights, or a LoRA base in lora.base_dtype), as many bytes of gradients, and AdamW's two fp32
 moments, for the parameters that train (with LoRA: the adapters only; a frozen base has neither). A QLoRA base's
-4-bit weights count NF4_BITS (4.127) bits each, sharded and as FSDP gathers them, and each linear's dequantized copy
-(dequantized_bytes, of the largest such weight) is added to backward.
+4-bit weights count nf4_bits each (4.127 with QLoRA's blocks of 64 and 256), sharded and as FSDP gathers them, and a
+linear's dequantized copy (dequantized_bytes, of the largest such weight) is added to backward.
 
 FSDP's unsharded tensors (a = compute dtype, r = reduce dtype, units in forward order) follow FSDP2's own
 schedule (torch/distributed/fsdp/_fully_shard). The step's peak is the largest of three moments:
@@ -49,9 +49,10 @@ benchmarks/memory_estimate.py (tests/test_memory_estimate.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from titanlite.models.nf4 import NF4_BITS
+from titanlite.models.nf4 import quantized_linears
 
 # Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
 # Under expert parallelism the busiest rank is taken to receive this many times the average routed tokens (headroom,
@@ -154,29 +155,63 @@ class ShardedState:
     optimizer: int
 
 
-def sharded_state_bytes(model, optimizer_states: int = 2, packed: frozenset[int] = frozenset()) -> ShardedState:
-    """This rank's parameters (local shards, their own dtype; packed: ids of those held in NF4 instead), and for those
+def nf4_bits(block_size: int, scaler_block_size: int, factor_bytes: int) -> float:
+    """Bits per weight of an NF4 tensor: its 4-bit code, an int8 scale per block and a factor (of factor_bytes, the
+    tensor's dtype) per block of scales."""
+    return 4 + 8 / block_size + 8 * factor_bytes / (block_size * scaler_block_size)
+
+
+@dataclass
+class Packed:
+    """A QLoRA base's 4-bit weights, as the dry run counts them."""
+
+    ids: frozenset[int] = frozenset()  # of the parameters held in NF4
+    bits: float = 16.0  # per weight
+    largest: int = 0  # elements of the largest, as gathered (its dequantized copy in a linear's backward)
+
+
+def nf4_sizing_config(cfg):
+    """(the config the dry run builds a QLoRA model from: its compute-dtype twin, sized without torchao, and whether
+    the base is nf4)."""
+    if not (cfg.lora.enable and cfg.lora.base_dtype == "nf4"):
+        return cfg, False
+    return dataclasses.replace(
+        cfg, lora=dataclasses.replace(cfg.lora, base_dtype=cfg.training.mixed_precision_param)
+    ), True
+
+
+def packed_weights(model, cfg, compute_bytes: int) -> Packed:
+    """The weights of the twin model (nf4_sizing_config) that the real one holds in NF4."""
+    weights = [m.weight for m in quantized_linears(model).values()]
+    bits = nf4_bits(cfg.lora.nf4_block_size, cfg.lora.nf4_scaler_block_size, compute_bytes)
+    return Packed(frozenset(id(w) for w in weights), bits, max((gathered_numel(w) for w in weights), default=0))
+
+
+def sharded_state_bytes(model, optimizer_states: int = 2, packed: Packed = Packed()) -> ShardedState:
+    """This rank's parameters (local shards, their own dtype; packed: those held in NF4 instead), and for those
     that train their gradients (the same) and optimizer states (fp32)."""
     params = grads = optim = 0
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
-        params += int(local.numel() * NF4_BITS / 8) if id(p) in packed else local.numel() * local.element_size()
+        if id(p) in packed.ids:
+            params += int(local.numel() * packed.bits / 8)
+        else:
+            params += local.numel() * local.element_size()
         if p.requires_grad:
             grads += local.numel() * local.element_size()
             optim += optimizer_states * local.numel() * 4
     return ShardedState(params=params, grads=grads, optimizer=optim)
 
 
-def unit_numels(
-    model, trainable_only: bool = False, packed: frozenset[int] = frozenset(), packed_ratio=1.0
-) -> list[int]:
+def unit_numels(model, trainable_only: bool = False, packed: Packed = Packed(), compute_bytes: int = 0) -> list[int]:
     """Parameter count of each fully_shard unit of the model as FSDP gathers it (root excluded): all of it, or
-    this rank's tensor-parallel share; trainable_only: of the parameters that get gradients. packed: ids of the
-    parameters held in NF4, counted as packed_ratio (their bytes per weight / the compute dtype's) of their count."""
+    this rank's tensor-parallel share; trainable_only: of the parameters that get gradients. NF4 weights (packed)
+    count as their bytes over compute_bytes' (0: not gathered at all, as on a shard group of one rank)."""
+    ratio = packed.bits / 8 / compute_bytes if compute_bytes else 0.0
     out = []
     for group in model.shard_groups():
         seen = {id(p): p for m in group for p in m.parameters() if p.requires_grad or not trainable_only}
-        out.append(sum(int(gathered_numel(p) * (packed_ratio if i in packed else 1)) for i, p in seen.items()))
+        out.append(sum(int(gathered_numel(p) * (ratio if i in packed.ids else 1)) for i, p in seen.items()))
     return out
 
 

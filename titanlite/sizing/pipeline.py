@@ -68,12 +68,17 @@ def _built_rank(cfg, plan, world_size: int, pp_rank: int) -> dict:
     dist.init_process_group("fake", store=fake_store(), rank=pp_rank * (world_size // dims.pp), world_size=world_size)
     try:
         meshes = dims.build_meshes("cpu", plan.model_args.moe)
-        built = build_model(replace(cfg, float8=replace(cfg.float8, enable=False)), plan.model_args, meshes)
+        plain, nf4 = me.nf4_sizing_config(replace(cfg, float8=replace(cfg.float8, enable=False)))
+        built = build_model(plain, plan.model_args, meshes)
+        pbytes = dtype_bytes(cfg.training.mixed_precision_param)
+        packed = me.packed_weights(built.model, cfg, pbytes) if nf4 else me.Packed()
+        gathered = pbytes if dims.fsdp_size > 1 else 0  # a shard group of one rank gathers no NF4 weight
         return dict(
-            state=me.sharded_state_bytes(built.model),
-            units=[n for stage in built.stages for n in me.unit_numels(stage)],
+            state=me.sharded_state_bytes(built.model, packed=packed),
+            units=[n for stage in built.stages for n in me.unit_numels(stage, packed=packed, compute_bytes=gathered)],
             grad_units=[n for stage in built.stages for n in me.unit_numels(stage, trainable_only=True)],
             ac_blocks=built.ac_blocks,
+            dequantized=me.dequantized_bytes(packed.largest, pbytes),
             setup=describe(built.num_sharded, meshes.world, dims, cfg.parallelism, len(built.stages)),
         )
     finally:
@@ -113,6 +118,7 @@ def rank_memory(cfg, plan, world_size: int, pp_rank: int, split: list[range], bu
             sequence_parallel=p.enable_sequence_parallel, loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
         )  # fmt: skip
         activations += parts["final norm"] + parts["loss or recompute"]
+    activations += b["dequantized"]  # QLoRA: a linear's dequantized weight in backward
     return RankMemory(pp_rank, ids, state.params, state.grads, state.optimizer, gathered, int(activations),
                       flight, [len(b) for b in split], setup)  # fmt: skip
 

@@ -16,7 +16,6 @@ from titanlite.compat import fake_store
 from titanlite.config import gradient_sync_mode
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model, chunked_loss_tokens, compiled_loss
-from titanlite.models.nf4 import NF4_BITS, quantized_linears
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.ac import ac_label, describe_ac_compile
 from titanlite.parallel.compile import compile_problem
@@ -53,6 +52,7 @@ class MemoryEstimate:
     ac_blocks: list[int]
     compiled: int
     dequantized: int = 0  # QLoRA: the temporaries of dequantizing the largest 4-bit weight, in a linear's backward
+    nf4_bits: float = 0.0  # QLoRA: bits per 4-bit weight
 
     def moments(self) -> dict[str, int]:
         """Bytes on the GPU beyond the resident state at each moment that can make the step's peak (see
@@ -166,21 +166,15 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         # [float8] changes no parameter or state (the weights stay bf16/fp32): sized without torchao, which the
         # machine running the dry run may lack; its activations are counted as bf16's (docs/performance.md).
         plain = replace(cfg, float8=replace(cfg.float8, enable=False))
-        # A QLoRA base is sized from its compute-dtype twin, without torchao: its 4-bit weights are counted packed.
-        nf4 = cfg.lora.enable and cfg.lora.base_dtype == "nf4"
-        if nf4:
-            plain = replace(plain, lora=replace(cfg.lora, base_dtype=cfg.training.mixed_precision_param))
+        plain, nf4 = me.nf4_sizing_config(plain)  # a QLoRA base: its compute-dtype twin, its 4-bit weights packed
         built = build_model(plain, plan.model_args, meshes)
         # As the Trainer does next (allocates nothing: Adam's state appears at the first step).
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
-        quantized = [m.weight for m in quantized_linears(built.model).values()] if nf4 else []
-        packed = frozenset(id(w) for w in quantized)
         pbytes = dtype_bytes(cfg.training.mixed_precision_param)
+        packed = me.packed_weights(built.model, cfg, pbytes) if nf4 else me.Packed()
         state = me.sharded_state_bytes(built.model, packed=packed)
         # FSDP leaves NF4 weights alone on a shard group of one rank (parallel/fsdp.py): nothing of them is gathered
-        ratio = NF4_BITS / 8 / pbytes if plan.dims.fsdp_size > 1 else 0.0
-        units = me.unit_numels(built.model, packed=packed, packed_ratio=ratio)
-        dequantized = max((me.gathered_numel(w) for w in quantized), default=0)
+        units = me.unit_numels(built.model, packed=packed, compute_bytes=pbytes if plan.dims.fsdp_size > 1 else 0)
         grad_units = me.unit_numels(built.model, trainable_only=True)
         output_trains = built.model.output.weight.requires_grad
         adapters = sum(p.numel() for p in built.model.parameters() if p.requires_grad) if cfg.lora.enable else 0
@@ -223,7 +217,8 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         setup_lines=setup_lines,
         ac_blocks=built.ac_blocks,
         compiled=built.compiled,
-        dequantized=me.dequantized_bytes(dequantized, pbytes),
+        dequantized=me.dequantized_bytes(packed.largest, pbytes),
+        nf4_bits=packed.bits,
     )
     est.backward = backward_for(cfg, plan, est, t.local_batch_size, act)
     return est
@@ -264,7 +259,7 @@ def _lora_lines(cfg, est: MemoryEstimate) -> list[str]:
         f"the frozen base ({cfg.lora.base_dtype}) has no gradients and no optimizer state"
     ] + (
         [
-            f"QLoRA: the blocks' linears at {NF4_BITS:.3f} bits per weight (the rest of the base in "
+            f"QLoRA: the blocks' linears at {est.nf4_bits:.3f} bits per weight (the rest of the base in "
             f"{cfg.training.mixed_precision_param}); dequantizing the largest one takes "
             f"{est.dequantized / GIB:.2f} GiB at each linear (counted in backward)"
         ]
