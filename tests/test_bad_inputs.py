@@ -208,6 +208,9 @@ CHECKPOINTS = [
 FT = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2")
 
 
+QLORA_BLOCKS = ("--lora.base_dtype", "nf4", "--lora.nf4_block_size", "16", "--lora.nf4_scaler_block_size", "8")
+
+
 def lora(*extra, base="{tmp}/run/checkpoint/step-4"):
     """The tiny run with LoRA on the saved run's step 4 as its base."""
     return train("--lora.enable", "true", "--checkpoint.initial_load_path", base, *extra)
@@ -300,6 +303,15 @@ LORA = [
          ("--world-size", "2", "--model.flavor", "tiny", "--lora.enable", "true", "--lora.base_dtype", "nf4",
           "--parallelism.tensor_parallel_degree", "2", "--checkpoint.initial_load_path", "{tmp}/run/checkpoint/step-4"),
          ("lora.base_dtype = 'nf4' with parallelism.tensor_parallel_degree = 2", "FSDP only"), setup=_copy_run),
+    Case("qlora-with-cpu-offload", "config", "train",
+         lora(*QLORA_BLOCKS, "--training.enable_cpu_offload", "true"),
+         ("lora.base_dtype = 'nf4' with training.enable_cpu_offload = true", "enable_cpu_offload = false"),
+         setup=_copy_run),
+    Case("qlora-with-a-partial-reshard", "config", "config",
+         ("--world-size", "4", "--model.flavor", "tiny", "--lora.enable", "true", *QLORA_BLOCKS,
+          "--parallelism.fsdp_reshard_after_forward", "2", "--checkpoint.initial_load_path",
+          "{tmp}/run/checkpoint/step-4"),
+         ("parallelism.fsdp_reshard_after_forward = '2'", "'default', 'always' or 'never'"), setup=_copy_run),
     Case("lora-last-save-in-hf", "config", "train", lora("--checkpoint.last_save_in_hf"),
          ("checkpoint.last_save_in_hf", "--format peft"), setup=_copy_run),
     Case("lora-adapter-without-lora", "config", "train", train("--lora.initial_adapter_path", "{tmp}/adapter"),
