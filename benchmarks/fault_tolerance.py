@@ -1,6 +1,7 @@
 """Fault-tolerant HSDP on this machine: two replica groups against HSDP in one job, and a group killed and restarted.
 
     python benchmarks/fault_tolerance.py [--group-size 2] [--steps 300] [--pause 0.05]
+    python benchmarks/fault_tolerance.py --chaos [--seed 0] [--failures 24]     # about 10 minutes
     python benchmarks/fault_tolerance.py --parts parity --overrides "--parallelism.tensor_parallel_degree 2"
 
 parity: two groups of --group-size processes each (FSDP inside, gloo, a torchft lighthouse in this process) and one
@@ -12,6 +13,11 @@ runs when the killed group is back); group 1's worker is SIGKILLed after a few s
 the same command once group 0 steps alone. Prints how long group 0 took to step alone after the kill, how long
 the restarted group took to heal after its launch, and whether both groups' final weights and Adam moments are
 bit-identical.
+
+chaos (benchmarks/ft_chaos.py): three groups of one process while failures drawn from --seed (a worker or a
+launcher SIGKILLed, a worker SIGSTOPped) hit a random group every --gap-min to --gap-max seconds and the group is
+restarted; the recovery times per kind of failure, the steps committed, the throughput against the same groups
+without failures, and whether the groups end bit-identical.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 import common
 
 ROOT = Path(__file__).resolve().parent.parent
-STEP = re.compile(r"step: +(\d+)  loss: +([\d.]+)  grad_norm: +([\d.]+).*?(?:replicas: (\d)/2)?  elapsed")
+STEP = re.compile(r"step: +(\d+)  loss: +([\d.]+)  grad_norm: +([\d.]+).*?(?:replicas: (\d)/\d)?  elapsed")
 PACE = ROOT / "tests" / "faults"  # its sitecustomize paces steps (TITANLITE_STEP_PAUSE); test-only, like here
 
 
@@ -59,8 +65,8 @@ def _argv(dump: Path, steps: int, *extra) -> list[str]:
             str(dump), "--checkpoint.enable", "--checkpoint.interval", str(steps), *extra]  # fmt: skip
 
 
-def _ft(group: int, lighthouse: str, *extra) -> list[str]:
-    return ["--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2",
+def _ft(group: int, lighthouse: str, *extra, groups: int = 2) -> list[str]:
+    return ["--fault_tolerance.enable", "true", "--fault_tolerance.group_count", str(groups),
             "--fault_tolerance.replica_id", str(group), "--fault_tolerance.lighthouse", lighthouse,
             "--fault_tolerance.timeout_seconds", "3", *extra]  # fmt: skip
 
@@ -201,15 +207,30 @@ def kill(opts, tmp: Path) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", nargs="+", default=["parity", "kill"], choices=["parity", "kill"])
+    p.add_argument("--parts", nargs="+", default=["parity", "kill"], choices=["parity", "kill", "chaos"])
+    p.add_argument("--chaos", action="store_true", help="run the chaos part only (as --parts chaos)")
+    p.add_argument("--seed", type=int, default=0, help="chaos: the seed of the failures, their groups and times")
+    p.add_argument("--failures", type=int, default=24, help="chaos: failures to inject")
+    p.add_argument("--chaos-steps", type=int, default=3000, help="chaos: steps of the run (enough to outlast them)")
+    p.add_argument("--baseline-steps", type=int, default=300, help="chaos: steps of the run without failures")
+    p.add_argument("--gap-min", type=float, default=1.0, help="chaos: least seconds between failures")
+    p.add_argument("--gap-max", type=float, default=4.0, help="chaos: most seconds between failures")
+    p.add_argument("--margin", type=int, default=100, help="chaos: no failure within this many steps of the end")
     p.add_argument("--group-size", type=int, default=2, help="parity: processes per group")
     p.add_argument("--steps", type=int, default=300, help="kill: steps of the run")
     p.add_argument("--pause", type=float, default=0.05, help="kill: seconds each step is paced by")
     p.add_argument("--overrides", default="", help="parity: config overrides for every run (one string)")
     opts = p.parse_args(argv)
+    if opts.chaos:
+        opts.parts = ["chaos"]
     print(common.machine_line("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
         for part in opts.parts:
+            if part == "chaos":
+                from ft_chaos import chaos  # it imports this module
+
+                print("\n".join(chaos(opts, Path(tmp))), flush=True)
+                continue
             print("\n".join({"parity": parity, "kill": kill}[part](opts, Path(tmp))), flush=True)
 
 
