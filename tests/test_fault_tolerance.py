@@ -342,6 +342,13 @@ def _worker_of(proc) -> int:
     raise AssertionError("no worker started")
 
 
+def _wait_gone(pid: int, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived its launcher"
+
+
 def _wait_for(log: Path, pred, what: str, timeout: float = 120):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -353,10 +360,12 @@ def _wait_for(log: Path, pred, what: str, timeout: float = 120):
 
 @pytest.mark.slow
 def test_a_killed_group_is_dropped_and_heals_when_restarted(tmp_path):
-    """Also (issue 41, item 12): the lighthouse dies and is restarted at its address; both groups go on."""
+    """Also (issue 41, item 12): the lighthouse dies and is restarted at its address; both groups go on. Then (issue
+    45, item 2) the healed group's peer loses its launcher (SIGKILL), is restarted and heals in turn; all end
+    bit-identical with no process left."""
     lighthouse = _LighthouseProcess()
     env = faults_env("", TITANLITE_STEP_PAUSE="0.05")  # a pace: the survivor must still run when the group is back
-    steps = "300"
+    steps = "450"
     extra = (
         "--training.steps",
         steps,
@@ -393,17 +402,30 @@ def test_a_killed_group_is_dropped_and_heals_when_restarted(tmp_path):
             logs[1].rename(tmp_path / "group1-killed.log")
             with start(1) as g1b:  # the same command again: the same dump folder, no checkpoint in it
                 _wait_for(logs[1], lambda _, text: "healed from a live group" in text, "the healing", timeout=120)
-                assert g0.wait(timeout=240) == 0, logs[0].read_text()[-3000:]
-                assert g1b.wait(timeout=240) == 0, logs[1].read_text()[-3000:]
-                assert not _running_with(str(tmp_path)), "processes of the job are left running"
+                # then group 0's launcher is SIGKILLed (torchrun alone): its worker follows it, group 1 goes on
+                worker0 = _worker_of(g0)
+                os.kill(g0.pid, signal.SIGKILL)
+                g0.wait(timeout=60)
+                alone = len(_steps(logs[1]))
+                _wait_for(logs[1], lambda s, _: len(s) > alone and s[-1][2] == 1, "group 1 stepping alone", timeout=60)
+                _wait_gone(worker0)
+                logs[0].rename(tmp_path / "group0-launcher-killed.log")
+                with start(0) as g0b:
+                    _wait_for(logs[0], lambda _, t: "healed from a live group" in t, "group 0 healing", timeout=120)
+                    assert g0b.wait(timeout=240) == 0, logs[0].read_text()[-3000:]
+                    assert g1b.wait(timeout=240) == 0, logs[1].read_text()[-3000:]
+                    assert not _running_with(str(tmp_path)), "processes of the job are left running"
     finally:
         lighthouse.shutdown()
-    survivor = _steps(logs[0])
-    # no step lost or repeated (a group that starts second heals from the first: its steps start later)
-    assert [s for s, _, _ in survivor] == list(range(survivor[0][0], int(steps) + 1)), survivor
-    assert any(r == 1 for *_, r in survivor) and survivor[-1][2] == 2, survivor  # dropped, then rejoined
+    # no step lost or repeated on a survivor (a group that starts second heals from the first: its steps start later)
+    first = _steps(tmp_path / "group0-launcher-killed.log")  # survived group 1's worker kill, then its launcher died
+    assert [s for s, _, _ in first] == list(range(first[0][0], first[-1][0] + 1)), first
+    assert any(r == 1 for *_, r in first), first  # group 1 was dropped
+    second = _steps(logs[1])  # the healed group 1, which survived group 0's launcher
+    assert [s for s, _, _ in second] == list(range(second[0][0], int(steps) + 1)), second
+    assert any(r == 1 for *_, r in second) and second[-1][2] == 2, second  # dropped group 0, then it rejoined
     assert dropped_after < 30, dropped_after
-    assert re.search(r"[1-9]\d* sequences of absent replica groups' parts were skipped", logs[0].read_text())
+    assert re.search(r"[1-9]\d* sequences of absent replica groups' parts were skipped", logs[1].read_text())
     a = load_everything(tmp_path / "group0" / "checkpoint" / f"step-{steps}")
     b = load_everything(tmp_path / "group1" / "checkpoint" / f"step-{steps}")
     for part in ("model", "optimizer"):  # the full weights and Adam's moments, bit for bit
