@@ -74,6 +74,13 @@ def _runs(tmp, base, runs, resume=()):
         ckpt = ("--checkpoint.enable", "--checkpoint.interval", "3", *resume)
         out["first"] = make_trainer(_argv(f"{tmp}/resume", base, *ckpt)).train()
         out["again"] = make_trainer(_argv(f"{tmp}/resume", base, *ckpt, "--checkpoint.load_step", "3")).train()
+        from titanlite.errors import ConfigError
+
+        try:  # the adapters on a full-precision base: another model under them
+            make_trainer(_argv(f"{tmp}/resume", base, *ckpt, "--lora.base_dtype", "float32"))
+            out["refusal"] = None
+        except ConfigError as e:
+            out["refusal"] = str(e)
     return out
 
 
@@ -106,6 +113,7 @@ def test_qlora_same_losses_at_every_topology_exact_resume_and_export(tmp_path):
             torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
     first, again = results["first"], results["again"]
     assert sorted(again) == [4, 5, 6] and all(again[s] == first[s] for s in again)
+    assert "lora.base_dtype = 'float32'" in results["refusal"] and "lora.base_dtype = 'nf4'" in results["refusal"]
 
     # export --format hf merges the adapters into the dequantized 4-bit base
     out = tmp_path / "merged"
