@@ -99,11 +99,6 @@ def write_full(param: torch.Tensor, full: torch.Tensor) -> None:
     nf4.copy_(quantized)
 
 
-def dequantized(t: torch.Tensor) -> torch.Tensor:
-    """An NF4 tensor's weights in its dtype (a plain tensor as it is)."""
-    return t.get_original_weight() if local_nf4(t) is not None and not isinstance(t, DTensor) else t
-
-
 def nf4_problem(model: nn.Module, shards: int, block_size: int, scaler_block_size: int) -> str | None:
     """Why an NF4 base cannot hold this model's linears split by rows over `shards` ranks, or None: each rank's rows
     must hold whole scaler blocks (block_size * scaler_block_size weights)."""
