@@ -473,6 +473,7 @@ def _groups(cfg, other=None, step=0, lighthouse=""):
 
     rg = ReplicaGroups.__new__(ReplicaGroups)
     rg.cfg, rg.ft, rg.participants, rg.name = cfg, cfg.fault_tolerance, 2, f"titanlite_{cfg.fault_tolerance.replica_id}"
+    rg.live = 2
     rg.ft.lighthouse = lighthouse
     rg.env = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     rg.settings = shared_settings(cfg, 1)
@@ -653,8 +654,8 @@ def test_a_group_alone_after_its_peers_reached_the_end_says_so(caplog):
         rg.finished_peers = rg._peers_at_the_end()
     finally:
         lighthouse.shutdown()
-    assert rg.finished_peers == [("titanlite_0", 9)]
-    rg.participants, rg.manager._quorum_id = 1, 1
+    assert rg.finished_peers == [("titanlite_0", 10)]
+    rg.live, rg.manager._quorum_id = 1, 1
     rg._after_quorum()
     assert "trains on alone from step 4; the lighthouse's last quorum before this group came had titanlite_0 at " \
         "step 10 of training.steps = 10: they reached the job's end" in caplog.text  # fmt: skip

@@ -74,9 +74,15 @@ class LoadBalance:
         counts = torch.stack([m.tokens_per_expert for m in self.layers])
         for m, summed in zip(self.layers, self.groups.sum(counts)):
             m.tokens_per_expert.copy_(summed)
-        if self.bias_rate:  # the layers' persistent buffers: their routing biases
-            kept = [(m, set(m.state_dict(keep_vars=True))) for m in self.layers]
-            self._bias_before = [(b, b.clone()) for m, names in kept for n, b in m.named_buffers() if n in names]
+        if self.bias_rate:
+            self._bias_before = [(b, b.clone()) for b in self.routing_biases()]
+
+    def routing_biases(self) -> list[torch.Tensor]:
+        """aux_free: the MoE layers' routing biases (their persistent buffers); [] otherwise."""
+        if not self.bias_rate:
+            return []
+        kept = [(m, set(m.state_dict(keep_vars=True))) for m in self.layers]
+        return [b for m, names in kept for n, b in m.named_buffers() if n in names]
 
     def step_committed(self, committed: bool) -> None:
         """Fault tolerance, after the commit: a step that a group failed (retried, its sums meaningless) puts the

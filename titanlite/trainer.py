@@ -35,7 +35,7 @@ from titanlite.parallel.ac import describe_ac_compile
 from titanlite.parallel.float8 import float8_after_step
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
 from titanlite.parallel.ft import data_slice
-from titanlite.parallel.ft_groups import replica_groups
+from titanlite.parallel.ft_diloco import outer_optimizer, replica_groups
 from titanlite.parallel.pp import Pipeline
 from titanlite.plan import locked_folders, validate_for_world
 from titanlite.runtime.distributed import init_distributed, pick_device, set_seed, world_size_from_env
@@ -114,10 +114,12 @@ class Trainer:
         )
         self.losses: dict[int, float] = {}  # logged global loss per step
         self.val_losses: dict[int, float] = {}  # validation loss per step
+        self.outer = outer_optimizer(cfg, self.model)  # DiLoCo's global weights and outer momentum, or None
         self.checkpointer = CheckpointManager(
             cfg,
             model=self.model,
             optimizer=self.optimizer,
+            outer=self.outer,
             lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader,
             train_state=self,
@@ -125,6 +127,8 @@ class Trainer:
             data_identity=data_identity(self.tokenizer, self.dataloader),
         )
         self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
+        if self.outer is not None and (note := self.outer.after_load(self.step)) and self.env.rank == 0:
+            logger.warning(note)
         self.replicas = replica_groups(cfg, self, self.env)  # the groups of a torchft job; a stand-in without
 
     def _build_data(self):
@@ -229,6 +233,14 @@ class Trainer:
             self.lr_scheduler.step()
         return StepOutput(loss_sum, global_tokens, grad_norm, moe, committed)
 
+    def _healed_to_the_end(self) -> bool:
+        """DiLoCo: a sync took this group to the job's last step (it healed there, or made a last sync that a stop
+        had left pending): True once that step is saved, as the others saved it."""
+        if self.step < self.cfg.training.steps:
+            return False
+        self.checkpointer.maybe_save(self.step, last=True, before_save=self.check_finite)
+        return True
+
     def global_loss(self, out: StepOutput) -> float:
         """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
         total = out.loss_sum.clone()
@@ -240,7 +252,7 @@ class Trainer:
     def train(self) -> dict[int, float]:
         """Train to training.steps; returns the logged loss per step."""
         cfg = self.cfg
-        if self.step >= cfg.training.steps:
+        if self.step >= cfg.training.steps and not self.replicas.sync_pending():
             logger.info(
                 f"Already at step {self.step} of training.steps = {cfg.training.steps}: nothing to train "
                 f"(raise training.steps to go on, or use a new job.dump_folder to start over)"
@@ -255,9 +267,11 @@ class Trainer:
         self.metrics.start()
         self.hang.start()
         try:
-            while self.step < cfg.training.steps:
+            while self.step < cfg.training.steps or self.replicas.sync_pending():
                 if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
                     break  # a stop signal came while it waited for a quorum: what was committed is saved
+                if self._healed_to_the_end():
+                    break
                 data_state = self.dataloader.state_dict()
                 self.step += 1
                 self.hang.phase(f"step {self.step}: waiting for its data")
@@ -279,6 +293,13 @@ class Trainer:
                 # tokens/s and MFU per rank: the pp x cp x tp ranks of a dp rank share its tokens (and FLOPs)
                 self.metrics.step_done(self.step, data.local_tokens / (self.dims.tp * self.dims.cp * self.dims.pp))
                 self._track_non_finite(out)
+                trained = self.step
+                if self.replicas.end_step():  # DiLoCo: a round's end syncs the groups
+                    break  # a stop signal came while it waited for a quorum: what was trained is saved
+                if self.step != trained:  # healed at that sync: a peer's step, weights and data position now
+                    if self._healed_to_the_end():
+                        break
+                    continue
                 # Only logged steps read device values (host syncs) and all-reduce the loss.
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                     self.hang.phase(f"step {self.step}: reducing the loss for the log")

@@ -86,6 +86,7 @@ class CheckpointManager:
         train_state,
         device: torch.device,
         data_identity: dict | None = None,
+        outer=None,
     ):
         self.job_cfg, self.cfg = cfg, cfg.checkpoint
         self.data_identity = data_identity  # what the data position counts in (data_identity.py)
@@ -100,7 +101,7 @@ class CheckpointManager:
         self.lora_base = fingerprint(cfg.checkpoint.initial_load_path) if self.lora else None
         self.parts = {
             "model": ModelPart(model, trainable_only=self.lora),
-            "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer)),
+            "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer), outer),
             "lr_scheduler": SchedulerPart(lr_scheduler, optimizer, cfg.optimizer.lr),
             "dataloader": dataloader,
             "train_state": TrainStatePart(train_state, device),
@@ -172,6 +173,9 @@ class CheckpointManager:
                 str(info.path),
                 "; was it saved with another lora.rank or lora.targets?" if self.lora else None,
             )
+        outer = self.parts["optimizer"].outer  # DiLoCo: loaded when the checkpoint holds it, else started afresh
+        if outer is not None:
+            outer.in_checkpoint = {k.split(".")[0] for k in saved_shapes(read_metadata(info.path), "optimizer.diloco.")}
         # DCP calls each part's state_dict() for the destination and load_state_dict() afterwards.
         try:
             safe_dcp_load({n: part for n, part in self.parts.items() if n in self.wanted}, info.path)
@@ -182,6 +186,9 @@ class CheckpointManager:
                 f"{info.path} could not be loaded into this run ({type(e).__name__}: "
                 f"{str(e).strip()[:400]}); is it from another model or run?"
             ) from e
+        finally:
+            if outer is not None:
+                outer.in_checkpoint = outer.PARTS  # every save holds it all
         skipped = sorted(set(CHECKPOINT_PARTS) - self.wanted)
         note = f", not {skipped} (checkpoint.exclude_from_loading)" if skipped else ""
         logger.info(

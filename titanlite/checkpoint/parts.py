@@ -40,19 +40,26 @@ class ModelPart(Stateful):
 
 
 class OptimizerPart(Stateful):
-    """The optimizer state keyed by parameter names (so it reshards with the model).
+    """The optimizer state keyed by parameter names (so it reshards with the model); with DiLoCo, the outer state too.
 
     `hyper` (betas, eps, weight decay of the run's config) replaces the saved values on load: the
     config wins over the checkpoint for hyperparameters; the moments are the checkpoint's.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper: dict | None = None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper: dict | None = None, outer=None):
         self.model, self.optimizer, self.hyper = model, optimizer, hyper or {}
+        self.outer = outer  # DiLoCo's outer state (parallel/ft_diloco.OuterOptimizer), kept under "diloco"
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        sd = get_optimizer_state_dict(self.model, self.optimizer)
+        if self.outer is not None and self.outer.in_checkpoint:
+            sd["diloco"] = self.outer.state_dict()
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        outer = state_dict.pop("diloco", None)
+        if outer is not None:
+            self.outer.load_state_dict(outer)
         lrs = [group["lr"] for group in self.optimizer.param_groups]  # the schedule's (SchedulerPart), not saved ones
         # DCP keeps one rank's param groups: under pipeline parallelism they name one stage's parameters, and the
         # other ranks' groups come back holding nothing but their parameters (no fused, foreach, initial_lr...).

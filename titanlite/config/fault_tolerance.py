@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.config.fields import POSITIVE, non_negative, positive, setting
+from titanlite.config.fields import POSITIVE, fraction, non_negative, one_of, positive, setting
 
 # A cross-group collective, a commit or a quorum takes milliseconds at best: a shorter timeout cannot work (every one
 # fails and is retried, each with a C++ stack dump), and a longer one than a week overflows torchft's timers.
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0
 TIMEOUT_VALID = f"a number of seconds from {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} (a week)"
+MODES = ("sync", "diloco")
 
 
 def usable_timeout(v) -> bool:
@@ -62,4 +63,30 @@ class FaultTolerance:
         "stopped answering to answer again, before the group saves what was committed and stops",
         usable_timeout,
         TIMEOUT_VALID,
+    )
+    mode: str = setting(
+        "sync",
+        "sync: the groups average every step's gradient (HSDP across groups); diloco: each group takes sync_every "
+        "steps on its own, then the groups average how far they moved and an outer Nesterov step applies it "
+        "(docs/fault_tolerance.md)",
+        one_of(*MODES),
+        " or ".join(MODES),
+    )
+    sync_every: int = setting(
+        100,
+        "diloco: the inner steps each group takes between two outer steps (and at the job's last step)",
+        positive,
+        "an integer >= 1",
+    )
+    outer_lr: float = setting(
+        0.7,
+        "diloco: the outer optimizer's learning rate (1 with outer_momentum 0 averages the groups' weights)",
+        positive,
+        POSITIVE,
+    )
+    outer_momentum: float = setting(
+        0.9,
+        "diloco: the outer optimizer's Nesterov momentum (0: plain SGD)",
+        fraction,
+        "a number from 0 to below 1",
     )

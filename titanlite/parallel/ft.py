@@ -133,6 +133,10 @@ def shared_settings(cfg, world_size: int) -> dict[str, str]:
     flat["metrics.log_freq"] = cfg.metrics.log_freq  # logged steps sum their loss across the groups
     flat["fault_tolerance.group_count"] = cfg.fault_tolerance.group_count
     flat["fault_tolerance.min_replicas"] = cfg.fault_tolerance.min_replicas
+    flat["fault_tolerance.mode"] = cfg.fault_tolerance.mode
+    if cfg.fault_tolerance.mode == "diloco":
+        for key in ("sync_every", "outer_lr", "outer_momentum"):
+            flat[f"fault_tolerance.{key}"] = getattr(cfg.fault_tolerance, key)
     flat[WORLD] = world_size
     return {k: json.dumps(v, sort_keys=True, default=str) for k, v in flat.items()}
 
@@ -255,6 +259,11 @@ def problem(cfg, dims, args=None, device_type: str | None = None, inference: boo
     where the lighthouse need not answer now."""
     ft = cfg.fault_tolerance
     check_lighthouse = device_type is not None
+    if ft.mode != "sync" and not ft.enable and not inference:
+        return (
+            f"fault_tolerance.mode = {ft.mode!r} synchronises replica groups, but fault_tolerance.enable = false; set "
+            "fault_tolerance.enable = true (one job per group, docs/fault_tolerance.md) or leave mode = 'sync'"
+        )
     if not ft.enable or inference:
         return None
     if ft.replica_id >= ft.group_count:
@@ -321,6 +330,14 @@ class NoReplicaGroups:
 
     def begin_step(self) -> bool:
         """Whether a stop came while waiting for a quorum: never."""
+        return False
+
+    def end_step(self) -> bool:
+        """Whether a stop came while the groups synchronised after the step: never."""
+        return False
+
+    def sync_pending(self) -> bool:
+        """Whether a sync of the groups is still owed at the job's last step: never."""
         return False
 
     def known_tokens(self, tokens: int) -> int | None:

@@ -33,7 +33,6 @@ from titanlite.parallel.ft import (
     SENIOR,
     TOKENS,
     VECTOR,
-    NoReplicaGroups,
     any_rank,
     describe_difference,
     differing_keys,
@@ -50,11 +49,6 @@ from titanlite.parallel.ft import (
 from titanlite.parallel.ft_heal import healed_names, local, peer_state, take_state
 
 logger = logging.getLogger("titanlite")
-
-
-def replica_groups(cfg, trainer, env):
-    """This group's side of a fault-tolerant job, or the stand-in that does nothing when [fault_tolerance] is off."""
-    return ReplicaGroups(cfg, trainer, env) if cfg.fault_tolerance.enable else NoReplicaGroups()
 
 
 class ReplicaGroups:
@@ -96,7 +90,8 @@ class ReplicaGroups:
         )
         # A group resumed from disk is at its checkpoint's step: a group behind it heals from it.
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": trainer.step})
-        self.participants = ft.group_count
+        self.participants = ft.group_count  # the groups this step's gradients are averaged over
+        self.live = ft.group_count  # the groups of the last quorum
         self.settings = shared_settings(cfg, env.world_size)
         self.slots = torch.tensor(settings_slots(self.settings), dtype=torch.float64)
         self.weights = 0  # this step's fingerprint of the weights + 1 (0: not compared at this step)
@@ -122,12 +117,39 @@ class ReplicaGroups:
         came while waiting for one: what was committed is saved and the run stops (exit status 0)."""
         before = self.trainer.step
         self.trainer.hang.phase(f"step {before + 1}: waiting for a quorum of replica groups")
+        if self._await_quorum():
+            return True
+        self.participants = self.live  # the gradients are averaged over them
+        if self.trainer.step != before:
+            self.healed_at.append(self.trainer.step)
+            logger.info(
+                f"Fault tolerance: healed from a live group at step {self.trainer.step} (weights, optimizer, "
+                f"schedule and data position); {self.participants} of {self.ft.group_count} groups live"
+            )
+        self._after_quorum()
+        return False
+
+    def end_step(self) -> bool:
+        """Nothing after a step: the groups met before it (DiLoCo syncs here; parallel/ft_diloco.py)."""
+        return False
+
+    def sync_pending(self) -> bool:
+        """Nothing is owed after the last step (DiLoCo: its last sync, when a stop came first)."""
+        return False
+
+    def _quorum_step(self, manager_step: int) -> int:
+        """The training step a quorum at this manager step was for: the next one (a quorum comes before it)."""
+        return manager_step + 1
+
+    def _await_quorum(self) -> bool:
+        """A quorum of at least min_replicas live groups (this group heals in it when it is behind); True when a
+        stop signal came while waiting (what was committed is saved)."""
         waiting_since = None
         while True:  # with fewer live groups than min_replicas, wait for more instead of computing a lost step
             if self._quorum():
                 return True
-            self.participants = self.manager.num_participants()
-            if self.participants >= self.ft.min_replicas:
+            self.live = self.manager.num_participants()
+            if self.live >= self.ft.min_replicas:
                 break
             waiting_since = waiting_since or time.monotonic()
             late = time.monotonic() - waiting_since > self.ft.quorum_timeout_seconds
@@ -136,18 +158,11 @@ class ReplicaGroups:
                 return self._stop(f"while waiting for fault_tolerance.min_replicas = {self.ft.min_replicas} groups")
             if late:
                 self._fail(
-                    f"only {self.participants} of the fault_tolerance.min_replicas = {self.ft.min_replicas} replica "
+                    f"only {self.live} of the fault_tolerance.min_replicas = {self.ft.min_replicas} replica "
                     f"groups are live after fault_tolerance.quorum_timeout_seconds = {self.ft.quorum_timeout_seconds:g}"
                     f"{self._peers_note()}"
                 )
             time.sleep(0.1)
-        if self.trainer.step != before:
-            self.healed_at.append(self.trainer.step)
-            logger.info(
-                f"Fault tolerance: healed from a live group at step {self.trainer.step} (weights, optimizer, "
-                f"schedule and data position); {self.participants} of {self.ft.group_count} groups live"
-            )
-        self._after_quorum()
         return False
 
     def _quorum(self) -> bool:
@@ -256,7 +271,7 @@ class ReplicaGroups:
         self.weights = 0
         if self.quorum_now is None or self.quorum_now != self.quorum_seen:  # seen: set once a check went through
             self.weights = 1 + weights_fingerprint(local(v) for v in self.trainer.model.state_dict().values())
-        if self.finished_peers and self.participants == 1:
+        if self.finished_peers and self.live == 1:
             logger.warning(
                 f"Fault tolerance: this group trains on alone from step {self.trainer.step + 1}{self._peers_note()}; "
                 f"it writes its own step-{self.cfg.training.steps}, beside theirs; stop it unless that is meant "
@@ -273,8 +288,8 @@ class ReplicaGroups:
                 quorum = previous_quorum(lighthouse_status(lighthouse_address(self.ft), timeout=2))
             except LIGHTHOUSE_ERRORS:
                 quorum = []
-            others = [(rid.split(":")[0], s) for rid, s in quorum if rid.split(":")[0] != self.name]
-            box[0] = [(rid, s) for rid, s in others if s + 1 >= self.cfg.training.steps > self.trainer.step]
+            others = [(rid.split(":")[0], self._quorum_step(s)) for rid, s in quorum if rid.split(":")[0] != self.name]
+            box[0] = [(rid, s) for rid, s in others if s >= self.cfg.training.steps > self.trainer.step]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -282,7 +297,7 @@ class ReplicaGroups:
     def _peers_note(self) -> str:
         if not self.finished_peers:
             return ""
-        who = ", ".join(f"{rid} at step {s + 1}" for rid, s in self.finished_peers)
+        who = ", ".join(f"{rid} at step {s}" for rid, s in self.finished_peers)
         return (
             f"; the lighthouse's last quorum before this group came had {who} of training.steps = "
             f"{self.cfg.training.steps}: they reached the job's end and left (finished, or died at the last step)"

@@ -61,6 +61,16 @@ EP_IMBALANCE = 1.25
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2}
 
 
+def optimizer_states(cfg) -> int:
+    """fp32 copies of each trained weight the optimizers keep: the optimizer's states, and under DiLoCo
+    (fault_tolerance.mode) the global weights and the outer momentum (parallel/ft_diloco.py)."""
+    states = OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
+    ft = cfg.fault_tolerance
+    if ft.enable and ft.mode == "diloco":
+        states += 1 + (ft.outer_momentum > 0)
+    return states
+
+
 def activation_bytes(
     args,
     tokens: int,

@@ -74,7 +74,7 @@ def _built_rank(cfg, plan, world_size: int, pp_rank: int) -> dict:
         packed = me.packed_weights(built.model, cfg, pbytes) if nf4 else me.Packed()
         gathered = pbytes if dims.fsdp_size > 1 else 0  # a shard group of one rank gathers no NF4 weight
         return dict(
-            state=me.sharded_state_bytes(built.model, packed=packed),
+            state=me.sharded_state_bytes(built.model, me.optimizer_states(cfg), packed=packed),
             units=[n for stage in built.stages for n in me.unit_numels(stage, packed=packed, compute_bytes=gathered)],
             grad_units=[n for stage in built.stages for n in me.unit_numels(stage, trainable_only=True)],
             ac_blocks=built.ac_blocks,

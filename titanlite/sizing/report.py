@@ -158,6 +158,11 @@ def largest_local_batch(cfg, plan, est: MemoryEstimate, usable_bytes: float, lim
     return best
 
 
+def _optimizer_text(cfg) -> str:
+    ft = cfg.fault_tolerance
+    return cfg.optimizer.name + (" + DiLoCo outer state" if ft.enable and ft.mode == "diloco" else "")
+
+
 def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     """Size one rank of the job: the sharded meta model over a fake process group, and the activation formulas."""
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
@@ -172,7 +177,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         build_lr_scheduler(build_optimizer(built.model, cfg.optimizer), cfg.lr_scheduler, cfg.training.steps)
         pbytes = dtype_bytes(cfg.training.mixed_precision_param)
         packed = me.packed_weights(built.model, cfg, pbytes) if nf4 else me.Packed()
-        state = me.sharded_state_bytes(built.model, packed=packed)
+        state = me.sharded_state_bytes(built.model, me.optimizer_states(cfg), packed=packed)
         # FSDP leaves NF4 weights alone on a shard group of one rank (parallel/fsdp.py): nothing of them is gathered
         units = me.unit_numels(built.model, packed=packed, compute_bytes=pbytes if plan.dims.fsdp_size > 1 else 0)
         grad_units = me.unit_numels(built.model, trainable_only=True)
@@ -312,7 +317,8 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             row("gradients", f"fp32 shards{' of the adapters' if lora else ''} on {where_state}", est.grads),
             row(
                 "optimizer",
-                f"{cfg.optimizer.name}, 2 x fp32 per {'adapter ' if lora else ''}parameter on {where_state}",
+                f"{_optimizer_text(cfg)}, {me.optimizer_states(cfg)} x fp32 per {'adapter ' if lora else ''}parameter "
+                f"on {where_state}",
                 est.optimizer,
             ),  # fmt: skip
             row("FSDP buffers", "at the peak: gathered units + unsharded grads", buffers),
