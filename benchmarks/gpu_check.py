@@ -480,7 +480,9 @@ def _use_baseline() -> None:
     from titanlite.optim import optimizer_hyperparameters
 
     def foreach_adamw(model, opt_cfg):
-        return torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, foreach=True, **optimizer_hyperparameters(opt_cfg))
+        return torch.optim.AdamW(
+            model.parameters(), lr=opt_cfg.lr, foreach=True, **optimizer_hyperparameters(opt_cfg)[0]
+        )
 
     trainer.build_optimizer = foreach_adamw
     trainer.training_loss = lambda compiled: summed_cross_entropy

@@ -254,6 +254,7 @@ def test_diloco_needs_fault_tolerance_and_valid_outer_settings():
             load([f"--fault_tolerance.{key}", value])
 
 
+@pytest.mark.slow
 def test_the_dry_run_counts_the_outer_state_as_two_more_fp32_copies(capsys):
     """AdamW's 2 states + the global weights + the outer momentum: the optimizer row doubles (1 without momentum)."""
     from test_dry_run import _main, _table
@@ -268,7 +269,7 @@ def test_the_dry_run_counts_the_outer_state_as_two_more_fp32_copies(capsys):
         code, out, _ = _main(capsys, 8, *base, *extra)
         assert code == 0, out
         rows[name] = _table(out)["optimizer"]
-    assert "AdamW + DiLoCo outer state, 3 x fp32 per parameter" in out  # (the last: without momentum)
+    assert "AdamW, 3 x fp32 per parameter (with DiLoCo's global weights)" in out  # (the last: no momentum)
     assert rows["diloco"] == pytest.approx(2 * rows["sync"], rel=0.02)
     assert rows["plain"] == pytest.approx(1.5 * rows["sync"], rel=0.02)
 

@@ -365,7 +365,7 @@ def test_a_killed_group_is_dropped_and_heals_when_restarted(tmp_path):
     bit-identical with no process left."""
     lighthouse = _LighthouseProcess()
     env = faults_env("", TITANLITE_STEP_PAUSE="0.05")  # a pace: the survivor must still run when the group is back
-    steps = "450"
+    steps = "320"
     extra = (
         "--training.steps",
         steps,

@@ -8,20 +8,37 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+from titanlite.muon import build_muon, muon_hyperparameters
 
-def optimizer_hyperparameters(opt_cfg) -> dict:
-    """The [optimizer] values a param group holds besides lr (a resumed run applies them over the saved ones)."""
-    return {"betas": (opt_cfg.beta1, opt_cfg.beta2), "eps": opt_cfg.eps, "weight_decay": opt_cfg.weight_decay}
+
+def optimizer_hyperparameters(opt_cfg) -> list[dict]:
+    """The [optimizer] values each param group holds besides lr (a resumed run applies them over the saved ones):
+    one group, or Muon's two (its matrices, then AdamW's rest)."""
+    adam = {"betas": (opt_cfg.beta1, opt_cfg.beta2), "eps": opt_cfg.eps, "weight_decay": opt_cfg.weight_decay}
+    if opt_cfg.name.lower() != "muon":
+        return [adam]
+    return [{k: v for k, v in muon_hyperparameters(opt_cfg).items() if k != "lr"}, adam]
+
+
+def peak_lrs(opt_cfg) -> list[float]:
+    """Each param group's peak lr (the schedule multiplies them)."""
+    if opt_cfg.name.lower() != "muon":
+        return [opt_cfg.lr]
+    return [muon_hyperparameters(opt_cfg)["lr"], opt_cfg.lr]
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg) -> torch.optim.Optimizer:
     """AdamW (or Adam) over the model's trainable (sharded) parameters (with LoRA: the adapters only): the fused
-    kernel when they are all on an accelerator, else the foreach (multi-tensor) implementation."""
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[opt_cfg.name]
+    kernel when they are all on an accelerator, else the foreach (multi-tensor) implementation; or Muon over the
+    blocks' weight matrices with that AdamW over the rest (titanlite.muon)."""
+    name = opt_cfg.name.lower()
     params = [p for p in model.parameters() if p.requires_grad]
     on_accelerator = bool(params) and all(p.device.type not in ("cpu", "meta") for p in params)
     impl = {"fused": True} if on_accelerator else {"foreach": True}
-    return cls(params, lr=opt_cfg.lr, **impl, **optimizer_hyperparameters(opt_cfg))
+    adam = {"lr": opt_cfg.lr, **impl, **optimizer_hyperparameters(opt_cfg)[-1]}
+    if name == "muon":
+        return build_muon(model, opt_cfg, adam)
+    return {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[name](params, **adam)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, min_factor: float) -> float:

@@ -75,8 +75,14 @@ def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
 
 def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
     """ConfigError when [lora] cannot train this model: no base to start from, a target the model lacks, a base
-    dtype that FSDP cannot gather with the adapters, an adapter folder that does not match, or a last save that
-    would drop the adapters."""
+    dtype that FSDP cannot gather with the adapters, an adapter folder that does not match, a last save that
+    would drop the adapters, or Muon as the optimizer."""
+    if cfg.lora.enable and cfg.optimizer.name.lower() == "muon":
+        raise ConfigError(
+            f"optimizer.name = {cfg.optimizer.name!r} with lora.enable = true is not supported: Muon orthogonalises "
+            "whole weight matrices, and a LoRA adapter trains two thin factors of one; use optimizer.name = 'AdamW' "
+            "for adapters"
+        )
     lora = cfg.lora
     if not lora.enable:
         if lora.initial_adapter_path:

@@ -50,6 +50,7 @@ from titanlite.checkpoint.lora_io import check_lora_resume, load_peft_adapter
 from titanlite.checkpoint.parts import ModelPart, OptimizerPart, SchedulerPart, TrainStatePart
 from titanlite.checkpoint.resume import (
     check_model_matches,
+    check_same_optimizer,
     describe_changes,
     problems_everywhere,
     saved_job_config,
@@ -59,7 +60,7 @@ from titanlite.config import CHECKPOINT_PARTS, JobConfig, to_toml
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import CheckpointSaveError, ConfigError
 from titanlite.models.args import args_to_dict
-from titanlite.optim import optimizer_hyperparameters
+from titanlite.optim import optimizer_hyperparameters, peak_lrs
 from titanlite.runtime.run_control import StopSignals
 
 logger = logging.getLogger("titanlite")
@@ -102,7 +103,7 @@ class CheckpointManager:
         self.parts = {
             "model": ModelPart(model, trainable_only=self.lora),
             "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer), outer),
-            "lr_scheduler": SchedulerPart(lr_scheduler, optimizer, cfg.optimizer.lr),
+            "lr_scheduler": SchedulerPart(lr_scheduler, optimizer, peak_lrs(cfg.optimizer)),
             "dataloader": dataloader,
             "train_state": TrainStatePart(train_state, device),
         }
@@ -173,6 +174,8 @@ class CheckpointManager:
                 str(info.path),
                 "; was it saved with another lora.rank or lora.targets?" if self.lora else None,
             )
+        if "optimizer" in self.wanted:
+            check_same_optimizer(info.path, self.job_cfg.optimizer.name)
         outer = self.parts["optimizer"].outer  # DiLoCo: loaded when the checkpoint holds it, else started afresh
         if outer is not None:
             outer.in_checkpoint = {k.split(".")[0] for k in saved_shapes(read_metadata(info.path), "optimizer.diloco.")}

@@ -42,12 +42,12 @@ class ModelPart(Stateful):
 class OptimizerPart(Stateful):
     """The optimizer state keyed by parameter names (so it reshards with the model); with DiLoCo, the outer state too.
 
-    `hyper` (betas, eps, weight decay of the run's config) replaces the saved values on load: the
-    config wins over the checkpoint for hyperparameters; the moments are the checkpoint's.
+    `hyper` (per param group: betas, eps, weight decay of the run's config; Muon's own for its group) replaces the
+    saved values on load: the config wins over the checkpoint for hyperparameters; the moments are the checkpoint's.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper: dict | None = None, outer=None):
-        self.model, self.optimizer, self.hyper = model, optimizer, hyper or {}
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper: list | None = None, outer=None):
+        self.model, self.optimizer, self.hyper = model, optimizer, hyper or [{}] * len(optimizer.param_groups)
         self.outer = outer  # DiLoCo's outer state (parallel/ft_diloco.OuterOptimizer), kept under "diloco"
 
     def state_dict(self) -> dict:
@@ -65,10 +65,10 @@ class OptimizerPart(Stateful):
         # other ranks' groups come back holding nothing but their parameters (no fused, foreach, initial_lr...).
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
-        for group, lr, before in zip(self.optimizer.param_groups, lrs, settings):
+        for group, lr, before, hyper in zip(self.optimizer.param_groups, lrs, settings, self.hyper):
             for key, value in before.items():
                 group.setdefault(key, value)
-            group.update(self.hyper, lr=lr)
+            group.update(hyper, lr=lr)
 
 
 class SchedulerPart(Stateful):
@@ -80,12 +80,16 @@ class SchedulerPart(Stateful):
     new plan, step). The optimizer's lr follows, also when no optimizer state is loaded.
     """
 
-    def __init__(self, lr_scheduler, optimizer: torch.optim.Optimizer, peak_lr: float | None = None):
-        self.lr_scheduler, self.optimizer, self.peak_lr = lr_scheduler, optimizer, peak_lr
+    def __init__(self, lr_scheduler, optimizer: torch.optim.Optimizer, peak_lrs: list[float] | None = None):
+        self.lr_scheduler, self.optimizer, self.peak_lrs = lr_scheduler, optimizer, peak_lrs
         self.replanned = None
 
     def state_dict(self) -> dict:
-        return self.lr_scheduler.state_dict()
+        sd = self.lr_scheduler.state_dict()
+        # every param group follows the one schedule (build_lr_scheduler): saved once, whatever the groups (Muon has
+        # two), so that a checkpoint resumes with another optimizer's groups (its state left out)
+        sd["lr_lambdas"] = sd["lr_lambdas"][:1]
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         schedule = self.lr_scheduler.lr_lambdas[0]
@@ -95,8 +99,8 @@ class SchedulerPart(Stateful):
         if wanted is not None and schedule.plan() != wanted:
             self.replanned = (schedule.plan(), wanted, step)
             schedule.replan(step, *wanted)
-        if self.peak_lr is not None:
-            self.lr_scheduler.base_lrs = [self.peak_lr] * len(self.optimizer.param_groups)
+        if self.peak_lrs is not None:  # one per param group
+            self.lr_scheduler.base_lrs = list(self.peak_lrs)
         lrs = [base * fn(step) for base, fn in zip(self.lr_scheduler.base_lrs, self.lr_scheduler.lr_lambdas)]
         self.lr_scheduler._last_lr = lrs
         for group, lr in zip(self.optimizer.param_groups, lrs):

@@ -77,6 +77,19 @@ def saved_job_config(path: Path) -> JobConfig | None:
         return None
 
 
+def check_same_optimizer(path: Path, name: str) -> None:
+    """ConfigError when the checkpoint's optimizer state is another optimizer's than `name`: one cannot take over
+    the other's moments."""
+    saved = saved_job_config(path)
+    then = saved.optimizer.name if saved else "AdamW"
+    if then.lower() != name.lower():
+        raise ConfigError(
+            f"{path} was saved with optimizer.name = {then!r}, this run has {name!r}: one cannot resume the other's "
+            f"state; resume with --checkpoint.exclude_from_loading optimizer to start {name}'s state fresh (the "
+            f"weights, schedule and data position are kept), or set optimizer.name = {then!r}"
+        )
+
+
 def model_differences(saved: dict, args: ModelArgs) -> list[str]:
     """'field: checkpoint value -> this run's value' for every weight-relevant field that differs."""
     saved_args = ModelArgs(

@@ -7,7 +7,7 @@ from torch import nn
 from titanlite.dtypes import dtype_bytes
 from titanlite.models.nf4 import local_nf4
 from titanlite.sizing.flops import flops_per_token, param_counts
-from titanlite.sizing.memory import Packed, nf4_bits, optimizer_states, sharded_state_bytes
+from titanlite.sizing.memory import Packed, nf4_bits, optimizer_state_text, optimizer_states, sharded_state_bytes
 
 
 def human_bytes(n: float) -> str:
@@ -63,11 +63,8 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
     """Log lines describing the world, the model's size in total and on this rank, and this rank's state memory."""
     counts = param_counts(model_args)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    states = optimizer_states(cfg)
-    mem = sharded_state_bytes(model, states, packed=nf4_weights(model, cfg))
+    mem = sharded_state_bytes(model, optimizer_states(cfg), packed=nf4_weights(model, cfg))
     adapters = trained_adapters(model, cfg)
-    ft = cfg.fault_tolerance
-    diloco = " + DiLoCo's global weights and outer momentum" if ft.enable and ft.mode == "diloco" else ""
     fpt = flops_per_token(model_args, cfg.training.seq_len, adapters)
     job = cfg.job.config_file or "no config file (defaults)"
     moe = []
@@ -94,8 +91,8 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
         f"Model {cfg.model.name} {cfg.model.flavor}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding), {local:,} on this rank (its shards)",
         f"Per-rank memory estimate: parameters {human_bytes(mem.params)} + gradients "
-        f"{human_bytes(mem.grads)} + optimizer {human_bytes(mem.optimizer)} ({cfg.optimizer.name}{diloco}, "
-        f"{states} states) = {human_bytes(mem.params + mem.grads + mem.optimizer)}, plus activations and "
+        f"{human_bytes(mem.grads)} + optimizer {human_bytes(mem.optimizer)} ({optimizer_state_text(cfg)}) = "
+        f"{human_bytes(mem.params + mem.grads + mem.optimizer)}, plus activations and "
         f"gathered blocks",
         *moe,
         *lora,

@@ -53,22 +53,24 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlite.models.nf4 import quantized_linears
+from titanlite.muon import is_muon_matrix
 
 # Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
 # Under expert parallelism the busiest rank is taken to receive this many times the average routed tokens (headroom,
 # not a measurement: the step line's busiest-expert figure shows what a run sees).
 EP_IMBALANCE = 1.25
-OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2}
 
 
-def optimizer_states(cfg) -> int:
-    """fp32 copies of each trained weight the optimizers keep: the optimizer's states, and under DiLoCo
-    (fault_tolerance.mode) the global weights and the outer momentum (parallel/ft_diloco.py)."""
-    states = OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
+def optimizer_states(cfg):
+    """fp32 copies of a trained weight the optimizers keep, as a function of (name, parameter): the optimizer's states
+    (Muon: one momentum for the blocks' matrices, AdamW's two for the rest), and under DiLoCo (fault_tolerance.mode)
+    the global weights and the outer momentum (parallel/ft_diloco.py)."""
     ft = cfg.fault_tolerance
-    if ft.enable and ft.mode == "diloco":
-        states += 1 + (ft.outer_momentum > 0)
-    return states
+    outer = 1 + (ft.outer_momentum > 0) if ft.enable and ft.mode == "diloco" else 0
+    if cfg.optimizer.name.lower() == "muon":
+        return lambda name, p: (1 if is_muon_matrix(name, p) else 2) + outer
+    return lambda name, p: OPTIMIZER_STATES.get(cfg.optimizer.name.lower(), 2) + outer
 
 
 def activation_bytes(
@@ -197,11 +199,43 @@ def packed_weights(model, cfg, compute_bytes: int) -> Packed:
     return Packed(frozenset(id(w) for w in weights), bits, max((gathered_numel(w) for w in weights), default=0))
 
 
-def sharded_state_bytes(model, optimizer_states: int = 2, packed: Packed = Packed()) -> ShardedState:
+def muon_step(model) -> tuple[int, float]:
+    """Muon (titanlite.muon), per rank and step: the bytes of the largest matrix's transients (its whole update in
+    fp32, two bf16 iterates and the Gram matrix and its square per matrix) and the Newton-Schulz FLOPs of every
+    matrix this rank holds a shard of (each rank orthogonalises them whole; 5 iterations of x x^T, its square and
+    the product with x)."""
+    largest, flops = 0, 0.0
+    for name, p in model.named_parameters():
+        if not (p.requires_grad and is_muon_matrix(name, p)):
+            continue
+        n, count = p.numel(), (p.shape[0] if p.ndim == 3 else 1)
+        small, big = sorted(p.shape[-2:])
+        largest = max(largest, 8 * n + 4 * count * small * small)
+        flops += count * 5 * (4 * small * small * big + 2 * small**3)
+    return largest, flops
+
+
+def optimizer_state_text(cfg, what: str = "parameter") -> str:
+    """How many fp32 copies the optimizer keeps, in words: 'AdamW, 2 x fp32 per parameter', Muon's split, and
+    DiLoCo's outer state."""
+    ft = cfg.fault_tolerance
+    outer = 1 + (ft.outer_momentum > 0) if ft.enable and ft.mode == "diloco" else 0
+    if cfg.optimizer.name.lower() == "muon":
+        text = f"Muon, {1 + outer} x fp32 per block matrix, AdamW {2 + outer} x per other {what}"
+    else:
+        text = f"{cfg.optimizer.name}, {2 + outer} x fp32 per {what}"
+    if outer:
+        text += " (with DiLoCo's global weights" + (" and outer momentum)" if outer == 2 else ")")
+    return text
+
+
+def sharded_state_bytes(model, optimizer_states=2, packed: Packed = Packed()) -> ShardedState:
     """This rank's parameters (local shards, their own dtype; packed: those held in NF4 instead), and for those
-    that train their gradients (the same) and optimizer states (fp32)."""
+    that train their gradients (the same) and optimizer states (fp32; optimizer_states: per parameter, or a
+    function of (name, parameter) as optimizer_states(cfg))."""
     params = grads = optim = 0
-    for p in model.parameters():
+    states_of = optimizer_states if callable(optimizer_states) else lambda name, p: optimizer_states
+    for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         if id(p) in packed.ids:
             params += int(local.numel() * packed.bits / 8)
@@ -209,7 +243,7 @@ def sharded_state_bytes(model, optimizer_states: int = 2, packed: Packed = Packe
             params += local.numel() * local.element_size()
         if p.requires_grad:
             grads += local.numel() * local.element_size()
-            optim += optimizer_states * local.numel() * 4
+            optim += states_of(name, p) * local.numel() * 4
     return ShardedState(params=params, grads=grads, optimizer=optim)
 
 

@@ -53,6 +53,8 @@ class MemoryEstimate:
     compiled: int
     dequantized: int = 0  # QLoRA: the temporaries of dequantizing the largest 4-bit weight, in a linear's backward
     nf4_bits: float = 0.0  # QLoRA: bits per 4-bit weight
+    muon_transient: int = 0  # Muon: the largest matrix's whole update and Newton-Schulz temporaries, at its step
+    muon_flops: float = 0.0  # Muon: Newton-Schulz FLOPs per rank and step (not in MFU)
 
     def moments(self) -> dict[str, int]:
         """Bytes on the GPU beyond the resident state at each moment that can make the step's peak (see
@@ -67,8 +69,8 @@ class MemoryEstimate:
             "end of forward": self.forward_end_buffers + act["total"] + held,
             "backward": walk + held + self.dequantized,
         }
-        if not self.on_cpu:  # fused AdamW on GPUs makes no temporaries beside the gradients
-            out["optimizer step"] = self.grads
+        if not self.on_cpu:  # fused AdamW on GPUs makes no temporaries beside the gradients (Muon: one matrix's)
+            out["optimizer step"] = self.grads + self.muon_transient
         return out
 
     @property
@@ -158,11 +160,6 @@ def largest_local_batch(cfg, plan, est: MemoryEstimate, usable_bytes: float, lim
     return best
 
 
-def _optimizer_text(cfg) -> str:
-    ft = cfg.fault_tolerance
-    return cfg.optimizer.name + (" + DiLoCo outer state" if ft.enable and ft.mode == "diloco" else "")
-
-
 def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     """Size one rank of the job: the sharded meta model over a fake process group, and the activation formulas."""
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
@@ -188,6 +185,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         sharded = plan.dims.fsdp_size > 1  # FSDP shards over the cp ranks too
         total_params = sum(p.numel() for p in built.model.parameters())
         setup_lines = describe(built.num_sharded, meshes.world, plan.dims, cfg.parallelism)
+        muon = me.muon_step(built.model)
     finally:
         dist.destroy_process_group()
     t = cfg.training
@@ -225,8 +223,22 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         dequantized=me.dequantized_bytes(packed.largest, pbytes),
         nf4_bits=packed.bits,
     )
+    if cfg.optimizer.name.lower() == "muon":
+        est.muon_transient, est.muon_flops = muon
     est.backward = backward_for(cfg, plan, est, t.local_batch_size, act)
     return est
+
+
+def _muon_lines(cfg, est) -> list[str]:
+    if cfg.optimizer.name.lower() != "muon":
+        return []
+    return [
+        f"Muon: Newton-Schulz {est.muon_flops / 1e12:.2f} TFLOPs per step on each rank (every matrix it holds a shard "
+        f"of, orthogonalised whole; not in MFU); {est.muon_transient / GIB:.2f} GiB of one matrix's temporaries at "
+        "the optimizer step"
+    ]
+
+
 
 
 def _moe_lines(args, dims) -> list[str]:
@@ -311,14 +323,14 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             describe_ac_compile(ac, est.ac_blocks, est.compiled, args.n_layers),
             *_moe_lines(args, plan.dims),
             *_lora_lines(cfg, est),
+            *_muon_lines(cfg, est),
             "",
             "memory per rank (rank 0 holds the largest shard)                     GiB",
             row("parameters", f"{_params_text(cfg)} shards on {where_state}", est.params),
             row("gradients", f"fp32 shards{' of the adapters' if lora else ''} on {where_state}", est.grads),
             row(
                 "optimizer",
-                f"{_optimizer_text(cfg)}, {me.optimizer_states(cfg)} x fp32 per {'adapter ' if lora else ''}parameter "
-                f"on {where_state}",
+                f"{me.optimizer_state_text(cfg, 'adapter parameter' if lora else 'parameter')} on {where_state}",
                 est.optimizer,
             ),  # fmt: skip
             row("FSDP buffers", "at the peak: gathered units + unsharded grads", buffers),

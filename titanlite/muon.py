@@ -1,0 +1,144 @@
+"""Muon for the blocks' weight matrices and AdamW for every other parameter, in one optimizer step
+(optimizer.name = "Muon"; docs/optimizers.md).
+
+Muon (Jordan et al. 2024, kellerjordan.github.io/posts/muon; Liu et al. 2025, "Muon is Scalable for LLM Training",
+arXiv:2502.16982), as Jordan's code and torch.optim.Muon write it: B = mu B + (1 - mu) G; U = (1 - mu) G + mu B
+(Nesterov) or B; O = Newton-Schulz(U), an approximate U V^T of U's SVD; W = W - lr wd W - lr scale(shape) O.
+An MoE's 3-D experts weight [experts, in, out] is that many matrices.
+
+Newton-Schulz needs the whole matrix, and the weights are sharded (FSDP, HSDP, TP, EP; PP puts whole blocks on a
+rank). Each rank gathers the whole update U of every matrix it holds a shard of (DTensor.full_tensor over that
+matrix's mesh), orthogonalises it and keeps its own shard of O: every rank of every topology computes the update a
+single process computes, and the momentum buffer stays sharded like the weight. The other way, TorchTitan's
+DistMuon's (each matrix's Newton-Schulz on one rank, its result scattered), spreads that compute over the ranks
+instead of repeating it; titanlite gathers because it is exact by construction at every placement, _StridedShard
+(FSDP over TP) included, with one collective per matrix. The AdamW part is torch.optim.AdamW itself, sharing this
+optimizer's param group and state (one state dict, one lr schedule, one checkpoint part).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, tuned for a steep slope at zero
+NS_EPS = 1e-7
+
+
+def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
+    """A weight matrix of a block (attention, MLP, shared and routed experts), not a router's, a norm or a bias."""
+    if not name.startswith("layers.") or ".router." in name:
+        return False
+    return param.ndim == 3 or (param.ndim == 2 and name.endswith(".weight"))
+
+
+def orthogonalize(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """Newton-Schulz's quintic iteration on each matrix (the last two dims), in bfloat16: x / |x|, then
+    x <- a x + (b x x^T + c (x x^T)^2) x, on the wide orientation."""
+    x = update.bfloat16()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+    flat = x.reshape(-1, *x.shape[-2:])  # a batch of matrices; fused multiply-adds round once per term
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        gram = flat @ flat.mT
+        flat = torch.baddbmm(flat, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), flat, beta=a)
+    x = flat.reshape(x.shape)
+    return x.mT if tall else x
+
+
+def lr_scale(shape: torch.Size, adjust: str) -> float:
+    """The lr factor of one matrix: match_rms_adamw 0.2 x sqrt(max(rows, cols)) (Liu et al.: AdamW's update RMS),
+    original sqrt(max(1, rows / cols)) (Jordan), rows and cols as an nn.Linear's (out, in)."""
+    rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (shape[-1], shape[-2])  # experts: [e, in, out]
+    if adjust == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _my_shard(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `whole` (the same on every rank), placed as `like`'s local tensor is."""
+    if not isinstance(like, DTensor):
+        return whole
+    mesh = like.device_mesh
+    replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, like.placements).to_local()
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Two param groups: group 0 the Muon matrices (lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr),
+    group 1 everything else, stepped by an AdamW that shares this optimizer's group and state."""
+
+    def __init__(self, muon_params, adamw_params, muon: dict, adamw: dict):
+        self.adamw = torch.optim.AdamW(adamw_params, **adamw)
+        super().__init__([{"params": muon_params, **muon}, self.adamw.param_groups[0]], {})
+        self.adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._share_with_adamw()
+
+    def _share_with_adamw(self) -> None:
+        """Optimizer.load_state_dict makes new group dicts and a new state: AdamW steps the same ones."""
+        self.adamw.param_groups = [self.param_groups[1]]
+        self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.adamw.param_groups[0] is not self.param_groups[1] or self.adamw.state is not self.state:
+            self._share_with_adamw()  # (a load through another path, e.g. DCP's set_optimizer_state_dict)
+        group = self.param_groups[0]
+        lr, decay, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            grad, buf = _local(p.grad), _local(state["momentum_buffer"])  # (elementwise: on the shards)
+            buf.lerp_(grad, 1 - mu)  # an average: (1 - mu) x the sum form, a scale Newton-Schulz removes
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            whole = orthogonalize(_whole(_dtensor_like(p, update)), group["ns_steps"]).to(p.dtype)
+            weight = _local(p)
+            weight.mul_(1 - lr * decay)
+            weight.add_(_my_shard(whole, p), alpha=-lr * lr_scale(p.shape, group["adjust_lr"]))
+        self.adamw.step()
+        return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _dtensor_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def build_muon(model: torch.nn.Module, opt_cfg, adamw: dict) -> MuonAdamW:
+    """Muon over the blocks' trainable weight matrices, AdamW (`adamw`: its keyword arguments) over the rest."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in named if is_muon_matrix(n, p)]
+    others = [p for n, p in named if not is_muon_matrix(n, p)]
+    return MuonAdamW(matrices, others, muon_hyperparameters(opt_cfg), adamw)
+
+
+def muon_hyperparameters(opt_cfg) -> dict:
+    """The Muon group's settings from [optimizer] (lr included)."""
+    return {
+        "lr": opt_cfg.muon_lr or opt_cfg.lr,
+        "weight_decay": opt_cfg.weight_decay if opt_cfg.muon_weight_decay < 0 else opt_cfg.muon_weight_decay,
+        "momentum": opt_cfg.muon_momentum,
+        "nesterov": opt_cfg.muon_nesterov,
+        "ns_steps": opt_cfg.muon_ns_steps,
+        "adjust_lr": opt_cfg.muon_adjust_lr,
+    }
