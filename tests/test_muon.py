@@ -99,8 +99,9 @@ def _muon(*extra):
 @pytest.mark.slow
 def test_same_losses_at_every_topology_and_exact_resume(tmp_path):
     """fp32, 6 steps: one process, FSDP(2), TP(2), PP(2), EP(2) (an MoE), HSDP(2 x 2) and FSDP(2) x TP(2) give the
-    same losses within 1e-5; FSDP(2) resumed at step 3 repeats steps 4 to 6 exactly, and so does FSDP(4) from that
-    checkpoint."""
+    same losses within 1e-5, each matrix orthogonalised on one rank (the default) and, for FSDP(2) and
+    FSDP(2) x TP(2), on every rank; FSDP(2) resumed at step 3 repeats steps 4 to 6 exactly, and FSDP(4) resumed from
+    that checkpoint within 1e-5."""
     base = tiny_argv(tmp_path, "--training.global_batch_size", "8", "--training.steps", "6", *_muon())
     moe = ("--model.name", "qwen3_moe", "--moe.load_balance", "none")
     ref, ref_moe = run_distributed(train_all, 1, [base + ["--training.local_batch_size", "8"],
@@ -129,12 +130,13 @@ def test_same_losses_at_every_topology_and_exact_resume(tmp_path):
 
 def _two(base, moe, ckpt):
     runs = dict(zip(
-        ("fsdp2", "tp2", "pp2", "ep2"),
+        ("fsdp2", "tp2", "pp2", "ep2", "fsdp2_every_rank"),
         train_all([
             base + ["--training.local_batch_size", "4"],
             base + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
             base + ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"],
             base + ["--training.local_batch_size", "4", *moe, "--parallelism.expert_parallel_degree", "2"],
+            base + ["--training.local_batch_size", "4", "--optimizer.muon_newton_schulz", "every_rank"],
         ]),
     ))  # fmt: skip
     saved = make_trainer(ckpt + ["--checkpoint.interval", "3"]).train()
@@ -144,10 +146,12 @@ def _two(base, moe, ckpt):
 
 def _four(base, ckpt):
     runs = dict(zip(
-        ("hsdp2x2", "fsdp2_tp2"),
+        ("hsdp2x2", "fsdp2_tp2", "fsdp2_tp2_every_rank"),
         train_all([
             base + ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
             base + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
+            base + ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                    "--optimizer.muon_newton_schulz", "every_rank"],
         ]),
     ))  # fmt: skip
     resumed = make_trainer(ckpt + ["--checkpoint.load_step", "3"]).train()
@@ -178,7 +182,8 @@ def _adamw_then_muon(tmp):
 @pytest.mark.slow
 def test_the_dry_run_counts_one_state_per_matrix_and_the_newton_schulz_flops(capsys):
     """Llama 3 8B on 8 ranks: Muon keeps one fp32 state per block matrix (AdamW two for the rest), and the report
-    gives the Newton-Schulz FLOPs every rank spends: 5 x (4 m^2 n + 2 m^3) per m x n matrix (m <= n), all 32 blocks."""
+    gives the Newton-Schulz FLOPs a rank spends: 5 x (4 m^2 n + 2 m^3) per m x n matrix (m <= n), all 32 blocks,
+    over the 8 ranks (one_rank) or on each (every_rank)."""
     from test_dry_run import _main, _table
 
     rows = {}
@@ -195,4 +200,7 @@ def test_the_dry_run_counts_one_state_per_matrix_and_the_newton_schulz_flops(cap
         return 5 * (4 * m * m * n + 2 * m**3)
 
     flops = 32 * (2 * ns(4096, 4096) + 2 * ns(1024, 4096) + 3 * ns(4096, 14336))
-    assert f"Muon: Newton-Schulz {flops / 1e12:.2f} TFLOPs per step on each rank" in out
+    assert f"Muon: Newton-Schulz {flops / 8 / 1e12:.2f} TFLOPs per step on each rank (its share" in out  # one_rank
+    _, out, _ = _main(capsys, 8, "--job.config_file", "llama8b_fsdp", "--optimizer.name", "muon",
+                      "--optimizer.muon_newton_schulz", "every_rank")  # fmt: skip
+    assert f"Muon: Newton-Schulz {flops / 1e12:.2f} TFLOPs per step on each rank (every matrix" in out

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, tuned for a steep slope at zero
@@ -73,9 +74,25 @@ def _my_shard(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return replicated.redistribute(mesh, like.placements).to_local()
 
 
+def _orthogonalize_on_one_rank(whole: torch.Tensor, like: torch.Tensor, index: int, steps: int) -> torch.Tensor:
+    """Newton-Schulz of `whole` (the same on every rank of `like`'s mesh) on one rank of that mesh, chosen round-robin
+    by `index`, and its result broadcast to the others: along each mesh dim in turn, from the rank that holds it."""
+    mesh = like.device_mesh
+    owner = [int(c) for c in torch.unravel_index(torch.tensor(index % mesh.size()), tuple(mesh.shape))]
+    mine = list(mesh.get_coordinate())
+    if mine == owner:
+        result = orthogonalize(whole, steps).contiguous()  # (sent as laid out)
+    else:
+        result = torch.empty(whole.shape, dtype=torch.bfloat16, device=whole.device)
+    for d in range(mesh.ndim):  # after dim d, every rank that matches the owner on dims > d holds it
+        if mine[d + 1 :] == owner[d + 1 :] and mesh.size(d) > 1:
+            dist.broadcast(result, group=mesh.get_group(d), group_src=owner[d])
+    return result
+
+
 class MuonAdamW(torch.optim.Optimizer):
-    """Two param groups: group 0 the Muon matrices (lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr),
-    group 1 everything else, stepped by an AdamW that shares this optimizer's group and state."""
+    """Two param groups: group 0 the Muon matrices (lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr,
+    distribution), group 1 everything else, stepped by an AdamW that shares this optimizer's group and state."""
 
     def __init__(self, muon_params, adamw_params, muon: dict, adamw: dict):
         self.adamw = torch.optim.AdamW(adamw_params, **adamw)
@@ -97,7 +114,7 @@ class MuonAdamW(torch.optim.Optimizer):
             self._share_with_adamw()  # (a load through another path, e.g. DCP's set_optimizer_state_dict)
         group = self.param_groups[0]
         lr, decay, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
+        for index, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             state = self.state[p]
@@ -106,7 +123,11 @@ class MuonAdamW(torch.optim.Optimizer):
             grad, buf = _local(p.grad), _local(state["momentum_buffer"])  # (elementwise: on the shards)
             buf.lerp_(grad, 1 - mu)  # an average: (1 - mu) x the sum form, a scale Newton-Schulz removes
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            whole = orthogonalize(_whole(_dtensor_like(p, update)), group["ns_steps"]).to(p.dtype)
+            whole = _whole(_dtensor_like(p, update))
+            if group["distribution"] == "one_rank" and isinstance(p, DTensor) and p.device_mesh.size() > 1:
+                whole = _orthogonalize_on_one_rank(whole, p, index, group["ns_steps"]).to(p.dtype)
+            else:
+                whole = orthogonalize(whole, group["ns_steps"]).to(p.dtype)
             weight = _local(p)
             weight.mul_(1 - lr * decay)
             weight.add_(_my_shard(whole, p), alpha=-lr * lr_scale(p.shape, group["adjust_lr"]))
@@ -141,4 +162,5 @@ def muon_hyperparameters(opt_cfg) -> dict:
         "nesterov": opt_cfg.muon_nesterov,
         "ns_steps": opt_cfg.muon_ns_steps,
         "adjust_lr": opt_cfg.muon_adjust_lr,
+        "distribution": opt_cfg.muon_newton_schulz,
     }

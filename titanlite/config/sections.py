@@ -221,6 +221,13 @@ class Optimizer:
     muon_nesterov: bool = setting(True, "Muon: Nesterov momentum")
     muon_ns_steps: int = setting(5, "Muon: Newton-Schulz iterations (coefficients 3.4445, -4.7750, 2.0315)",
                                  lambda v: 1 <= v < 100, "an integer from 1 to 99")  # fmt: skip
+    muon_newton_schulz: str = setting(
+        "one_rank",
+        "Muon: where each matrix is orthogonalised: one_rank (one rank of its mesh, round-robin, the result broadcast) "
+        "or every_rank (each rank that holds a shard of it; no broadcast)",
+        one_of("one_rank", "every_rank"),
+        "one_rank or every_rank",
+    )
     muon_adjust_lr: str = setting(
         "match_rms_adamw",
         "Muon: the lr scale per matrix: match_rms_adamw (0.2 x sqrt(max(rows, cols)): reuses AdamW's lr and weight "

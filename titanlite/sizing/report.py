@@ -185,7 +185,7 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         sharded = plan.dims.fsdp_size > 1  # FSDP shards over the cp ranks too
         total_params = sum(p.numel() for p in built.model.parameters())
         setup_lines = describe(built.num_sharded, meshes.world, plan.dims, cfg.parallelism)
-        muon = me.muon_step(built.model)
+        muon = me.muon_step(built.model, cfg.optimizer.muon_newton_schulz == "one_rank")
     finally:
         dist.destroy_process_group()
     t = cfg.training
@@ -232,10 +232,11 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
 def _muon_lines(cfg, est) -> list[str]:
     if cfg.optimizer.name.lower() != "muon":
         return []
+    where = {"one_rank": "its share of the matrices", "every_rank": "every matrix it holds a shard of"}
     return [
-        f"Muon: Newton-Schulz {est.muon_flops / 1e12:.2f} TFLOPs per step on each rank (every matrix it holds a shard "
-        f"of, orthogonalised whole; not in MFU); {est.muon_transient / GIB:.2f} GiB of one matrix's temporaries at "
-        "the optimizer step"
+        f"Muon: Newton-Schulz {est.muon_flops / 1e12:.2f} TFLOPs per step on each rank "
+        f"({where[cfg.optimizer.muon_newton_schulz]}, orthogonalised whole; not in MFU); "
+        f"{est.muon_transient / GIB:.2f} GiB of one matrix's temporaries at the optimizer step"
     ]
 
 
