@@ -240,8 +240,6 @@ def _muon_lines(cfg, est) -> list[str]:
     ]
 
 
-
-
 def _moe_lines(args, dims) -> list[str]:
     """What the report says of a Mixture of Experts: experts per rank, active parameters, what the activations hold."""
     if not args.moe:
