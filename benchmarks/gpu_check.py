@@ -481,7 +481,7 @@ def _use_baseline() -> None:
 
     def foreach_adamw(model, opt_cfg):
         return torch.optim.AdamW(
-            model.parameters(), lr=opt_cfg.lr, foreach=True, **optimizer_hyperparameters(opt_cfg)[0]
+            model.parameters(), lr=opt_cfg.lr, foreach=True, **optimizer_hyperparameters(opt_cfg)[-1]
         )
 
     trainer.build_optimizer = foreach_adamw

@@ -8,12 +8,15 @@ An MoE's 3-D experts weight [experts, in, out] is that many matrices.
 
 Newton-Schulz needs the whole matrix, and the weights are sharded (FSDP, HSDP, TP, EP; PP puts whole blocks on a
 rank). Each rank gathers the whole update U of every matrix it holds a shard of (DTensor.full_tensor over that
-matrix's mesh), orthogonalises it and keeps its own shard of O: every rank of every topology computes the update a
-single process computes, and the momentum buffer stays sharded like the weight. The other way, TorchTitan's
-DistMuon's (each matrix's Newton-Schulz on one rank, its result scattered), spreads that compute over the ranks
-instead of repeating it; titanlite gathers because it is exact by construction at every placement, _StridedShard
-(FSDP over TP) included, with one collective per matrix. The AdamW part is torch.optim.AdamW itself, sharing this
-optimizer's param group and state (one state dict, one lr schedule, one checkpoint part).
+matrix's mesh); optimizer.muon_newton_schulz every_rank (the default) orthogonalises it on each of them, one_rank on
+one rank of the mesh (round-robin) which broadcasts O; each rank keeps its own shard of O. Every rank of every
+topology thus computes the update a single process computes (the same bits in both modes), and the momentum buffer
+stays sharded like the weight. An experts stack sharded on its experts dim only (EP, FSDP over EP) holds whole
+matrices on each rank: they are orthogonalised where they are, with no collective. TorchTitan's DistMuon gathers
+each matrix to one rank and scatters the result, overlapping the ranks' work; one_rank here broadcasts each result
+before the next matrix, which spreads the FLOPs but not the time on GPUs (docs/optimizers.md). The AdamW part is
+torch.optim.AdamW itself, sharing this optimizer's param group and state (one state dict, one lr schedule, one
+checkpoint part).
 """
 
 from __future__ import annotations
@@ -123,16 +126,27 @@ class MuonAdamW(torch.optim.Optimizer):
             grad, buf = _local(p.grad), _local(state["momentum_buffer"])  # (elementwise: on the shards)
             buf.lerp_(grad, 1 - mu)  # an average: (1 - mu) x the sum form, a scale Newton-Schulz removes
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            weight, scale = _local(p), -lr * lr_scale(p.shape, group["adjust_lr"])
+            weight.mul_(1 - lr * decay)
+            if _whole_experts_here(p):  # each expert is its own matrix, and this rank holds whole experts
+                weight.add_(orthogonalize(update, group["ns_steps"]).to(p.dtype), alpha=scale)
+                continue
+            # Every rank of the matrix's mesh takes part in its gather (FSDP and TP give each rank a gradient).
             whole = _whole(_dtensor_like(p, update))
             if group["distribution"] == "one_rank" and isinstance(p, DTensor) and p.device_mesh.size() > 1:
-                whole = _orthogonalize_on_one_rank(whole, p, index, group["ns_steps"]).to(p.dtype)
+                whole = _orthogonalize_on_one_rank(whole, p, index, group["ns_steps"])
             else:
-                whole = orthogonalize(whole, group["ns_steps"]).to(p.dtype)
-            weight = _local(p)
-            weight.mul_(1 - lr * decay)
-            weight.add_(_my_shard(whole, p), alpha=-lr * lr_scale(p.shape, group["adjust_lr"]))
+                whole = orthogonalize(whole, group["ns_steps"])
+            weight.add_(_my_shard(whole, p).to(p.dtype), alpha=scale)
         self.adamw.step()
         return None
+
+
+def _whole_experts_here(p: torch.Tensor) -> bool:
+    """An experts stack [experts, in, out] sharded on its experts dim only: the local shard is whole matrices."""
+    if p.ndim != 3:
+        return False
+    return not isinstance(p, DTensor) or all(pl.is_replicate() or getattr(pl, "dim", None) == 0 for pl in p.placements)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

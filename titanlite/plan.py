@@ -77,6 +77,12 @@ def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
     """ConfigError when [lora] cannot train this model: no base to start from, a target the model lacks, a base
     dtype that FSDP cannot gather with the adapters, an adapter folder that does not match, a last save that
     would drop the adapters, or Muon as the optimizer."""
+    if cfg.training.enable_cpu_offload and cfg.optimizer.name.lower() == "muon":
+        raise ConfigError(
+            f"optimizer.name = {cfg.optimizer.name!r} with training.enable_cpu_offload = true is not supported: the "
+            "optimizer step runs on the host there, and Muon's Newton-Schulz of every matrix with it; use AdamW, or "
+            "turn the offload off"
+        )
     if cfg.lora.enable and cfg.optimizer.name.lower() == "muon":
         raise ConfigError(
             f"optimizer.name = {cfg.optimizer.name!r} with lora.enable = true is not supported: Muon orthogonalises "

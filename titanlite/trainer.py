@@ -279,7 +279,7 @@ class Trainer:
                 if data.global_valid_tokens == 0:  # every rank sees the same global count
                     what = f"step {self.step}'s global batch of {self.global_batch_size} sequences"
                     raise no_counted_tokens(self.dataloader, what, cfg.training)
-                lr = self.lr_scheduler.get_last_lr()[0]
+                lr = self.lr_scheduler.get_last_lr()[-1]  # (Muon: its AdamW group, at optimizer.lr)
                 out = self.train_step(data.microbatches, self.replicas.known_tokens(data.global_valid_tokens))
                 if not out.committed:  # a group failed during the step: retried with the groups still alive
                     logger.warning(f"Step {self.step} was not committed by every replica group; retrying it")

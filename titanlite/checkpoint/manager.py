@@ -209,7 +209,7 @@ class CheckpointManager:
         if "dataloader" in self.wanted and old_len != new_len:  # keep the position in tokens, not sequences
             self.dataloader.load_state_dict({"sequence_index": math.ceil(position * (old_len + 1) / (new_len + 1))})
         scheduler = self.parts["lr_scheduler"]
-        lr = scheduler.lr_scheduler.get_last_lr()[0]
+        lr = scheduler.lr_scheduler.get_last_lr()[-1]  # optimizer.lr's group
         lines = describe_changes(saved, self.job_cfg, info.step, position, scheduler.replanned, lr)
         if lines and self.rank == 0:
             logger.warning(

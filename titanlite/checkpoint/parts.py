@@ -52,6 +52,9 @@ class OptimizerPart(Stateful):
 
     def state_dict(self) -> dict:
         sd = get_optimizer_state_dict(self.model, self.optimizer)
+        # Each group's parameters only: its settings are the run's on load (below), and a setting a later titanlite
+        # adds (Muon's have grown) would otherwise be a key that older checkpoints lack. Older checkpoints still load.
+        sd["param_groups"] = [{"params": group["params"]} for group in sd["param_groups"]]
         if self.outer is not None and self.outer.in_checkpoint:
             sd["diloco"] = self.outer.state_dict()
         return sd

@@ -78,11 +78,11 @@ def saved_job_config(path: Path) -> JobConfig | None:
 
 
 def check_same_optimizer(path: Path, name: str) -> None:
-    """ConfigError when the checkpoint's optimizer state is another optimizer's than `name`: one cannot take over
-    the other's moments."""
+    """ConfigError when the checkpoint's optimizer state is Muon's and the run's AdamW's (or Adam's), or the other way:
+    one cannot take over the other's moments."""
     saved = saved_job_config(path)
-    then = saved.optimizer.name if saved else "AdamW"
-    if then.lower() != name.lower():
+    then = saved.optimizer.name if saved else name
+    if (then.lower() == "muon") != (name.lower() == "muon"):  # Adam and AdamW keep the same moments
         raise ConfigError(
             f"{path} was saved with optimizer.name = {then!r}, this run has {name!r}: one cannot resume the other's "
             f"state; resume with --checkpoint.exclude_from_loading optimizer to start {name}'s state fresh (the "

@@ -222,9 +222,9 @@ class Optimizer:
     muon_ns_steps: int = setting(5, "Muon: Newton-Schulz iterations (coefficients 3.4445, -4.7750, 2.0315)",
                                  lambda v: 1 <= v < 100, "an integer from 1 to 99")  # fmt: skip
     muon_newton_schulz: str = setting(
-        "one_rank",
-        "Muon: where each matrix is orthogonalised: one_rank (one rank of its mesh, round-robin, the result broadcast) "
-        "or every_rank (each rank that holds a shard of it; no broadcast)",
+        "every_rank",
+        "Muon: where each matrix is orthogonalised: every_rank (each rank that holds a shard of it) or one_rank (one "
+        "rank of its mesh, round-robin, the result broadcast before the next matrix)",
         one_of("one_rank", "every_rank"),
         "one_rank or every_rank",
     )

@@ -199,20 +199,24 @@ def packed_weights(model, cfg, compute_bytes: int) -> Packed:
     return Packed(frozenset(id(w) for w in weights), bits, max((gathered_numel(w) for w in weights), default=0))
 
 
-def muon_step(model, one_rank: bool) -> tuple[int, float]:
+def muon_step(model, one_rank: bool, ns_steps: int = 5) -> tuple[int, float]:
     """Muon (titanlite.muon), per rank and step: the bytes of the largest matrix's transients (its whole update in
-    fp32, two bf16 iterates and the Gram matrix and its square per matrix) and the Newton-Schulz FLOPs (5 iterations
-    of x x^T, its square and the product with x) of the matrices this rank orthogonalises: every one it holds a
-    shard of, or with one_rank its share of them (round-robin over the ranks of each matrix's mesh)."""
+    fp32, three bf16 iterates and the Gram matrix and its square per matrix) and the Newton-Schulz FLOPs (ns_steps
+    iterations of x x^T, its square and the product with x) of the matrices this rank orthogonalises: every one it
+    holds a shard of, or with one_rank its share of them (round-robin over the ranks of each matrix's mesh); an
+    experts stack sharded on its experts dim only counts this rank's experts."""
     largest, flops = 0, 0.0
     for name, p in model.named_parameters():
         if not (p.requires_grad and is_muon_matrix(name, p)):
             continue
-        n, count = p.numel(), (p.shape[0] if p.ndim == 3 else 1)
-        small, big = sorted(p.shape[-2:])
-        largest = max(largest, 8 * n + 4 * count * small * small)
-        ranks = p.device_mesh.size() if one_rank and hasattr(p, "device_mesh") else 1
-        flops += count * 5 * (4 * small * small * big + 2 * small**3) / ranks
+        placements = getattr(p, "placements", ())
+        whole_here = p.ndim == 3 and all(pl.is_replicate() or getattr(pl, "dim", None) == 0 for pl in placements)
+        shape = (p.to_local() if whole_here and placements else p).shape
+        n, count = shape.numel(), (shape[0] if p.ndim == 3 else 1)
+        small, big = sorted(shape[-2:])
+        largest = max(largest, 10 * n + 4 * count * small * small)
+        ranks = p.device_mesh.size() if one_rank and not whole_here and placements else 1
+        flops += count * ns_steps * (4 * small * small * big + 2 * small**3) / ranks
     return largest, flops
 
 
