@@ -128,7 +128,7 @@ class MuonAdamW(torch.optim.Optimizer):
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
             weight, scale = _local(p), -lr * lr_scale(p.shape, group["adjust_lr"])
             weight.mul_(1 - lr * decay)
-            if _whole_experts_here(p):  # each expert is its own matrix, and this rank holds whole experts
+            if whole_experts_here(p):  # each expert is its own matrix, and this rank holds whole experts
                 weight.add_(orthogonalize(update, group["ns_steps"]).to(p.dtype), alpha=scale)
                 continue
             # Every rank of the matrix's mesh takes part in its gather (FSDP and TP give each rank a gradient).
@@ -142,7 +142,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return None
 
 
-def _whole_experts_here(p: torch.Tensor) -> bool:
+def whole_experts_here(p: torch.Tensor) -> bool:
     """An experts stack [experts, in, out] sharded on its experts dim only: the local shard is whole matrices."""
     if p.ndim != 3:
         return False

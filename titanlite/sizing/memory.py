@@ -53,7 +53,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlite.models.nf4 import quantized_linears
-from titanlite.muon import is_muon_matrix
+from titanlite.muon import is_muon_matrix, whole_experts_here
 
 # Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
 # Under expert parallelism the busiest rank is taken to receive this many times the average routed tokens (headroom,
@@ -62,12 +62,18 @@ EP_IMBALANCE = 1.25
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2}
 
 
+def diloco_copies(cfg) -> int:
+    """fp32 copies of each trained weight DiLoCo keeps (fault_tolerance.mode): the global weights and the outer
+    momentum, or none."""
+    ft = cfg.fault_tolerance
+    return 1 + (ft.outer_momentum > 0) if ft.enable and ft.mode == "diloco" else 0
+
+
 def optimizer_states(cfg):
     """fp32 copies of a trained weight the optimizers keep, as a function of (name, parameter): the optimizer's states
     (Muon: one momentum for the blocks' matrices, AdamW's two for the rest), and under DiLoCo (fault_tolerance.mode)
     the global weights and the outer momentum (parallel/ft_diloco.py)."""
-    ft = cfg.fault_tolerance
-    outer = 1 + (ft.outer_momentum > 0) if ft.enable and ft.mode == "diloco" else 0
+    outer = diloco_copies(cfg)
     if cfg.optimizer.name.lower() == "muon":
         return lambda name, p: (1 if is_muon_matrix(name, p) else 2) + outer
     return lambda name, p: OPTIMIZER_STATES.get(cfg.optimizer.name.lower(), 2) + outer
@@ -210,7 +216,7 @@ def muon_step(model, one_rank: bool, ns_steps: int = 5) -> tuple[int, float]:
         if not (p.requires_grad and is_muon_matrix(name, p)):
             continue
         placements = getattr(p, "placements", ())
-        whole_here = p.ndim == 3 and all(pl.is_replicate() or getattr(pl, "dim", None) == 0 for pl in placements)
+        whole_here = whole_experts_here(p)
         shape = (p.to_local() if whole_here and placements else p).shape
         n, count = shape.numel(), (shape[0] if p.ndim == 3 else 1)
         small, big = sorted(shape[-2:])
@@ -223,8 +229,7 @@ def muon_step(model, one_rank: bool, ns_steps: int = 5) -> tuple[int, float]:
 def optimizer_state_text(cfg, what: str = "parameter") -> str:
     """How many fp32 copies the optimizer keeps, in words: 'AdamW, 2 x fp32 per parameter', Muon's split, and
     DiLoCo's outer state."""
-    ft = cfg.fault_tolerance
-    outer = 1 + (ft.outer_momentum > 0) if ft.enable and ft.mode == "diloco" else 0
+    outer = diloco_copies(cfg)
     if cfg.optimizer.name.lower() == "muon":
         text = f"Muon, {1 + outer} x fp32 per block matrix, AdamW {2 + outer} x per other {what}"
     else:
