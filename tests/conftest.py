@@ -56,3 +56,34 @@ def single_process_device():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TITANLITE_DEVICE", TEST_DEVICE)
         yield TEST_DEVICE
+
+
+class S3:
+    """The test S3 endpoint: `env` reaches it (AWS variables), `down` takes it down while the file exists."""
+
+    def __init__(self, env: dict, down):
+        self.env, self.down = env, down
+
+    def use(self, monkeypatch) -> None:
+        """Point this process (and the processes it starts) at the endpoint, up."""
+        for key, value in self.env.items():
+            monkeypatch.setenv(key, value)
+        self.down.unlink(missing_ok=True)
+        try:
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()  # no client of another endpoint or key is reused
+        except ImportError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """moto's S3 server on this machine, behind a relay that a test can take down (helpers.s3_server)."""
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    from helpers import s3_server
+
+    down = tmp_path_factory.mktemp("s3") / "down"
+    with s3_server(down) as env:
+        yield S3(env, down)

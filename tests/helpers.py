@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -299,3 +300,133 @@ def wandb_history(run_folder) -> tuple[str, list[dict], dict]:
         elif kind == "history":
             rows.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
     return run_id, rows, config
+
+
+class Outage:
+    """A TCP relay in front of a server that a test can take down and bring back, from any process: while the file
+    `flag` exists its port refuses connections and open ones are cut (an endpoint that is down)."""
+
+    def __init__(self, target_port: int, flag: Path):
+        import threading
+
+        self.target, self.flag, self.port = target_port, flag, free_port()
+        self.open: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _listen(self):
+        import socket
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        sock.listen(64)
+        sock.settimeout(0.05)
+        return sock
+
+    def _serve(self) -> None:
+        import socket
+        import threading
+
+        sock = self._listen()
+        while not self._stop.is_set():
+            if self.flag.exists():
+                if sock is not None:
+                    sock.close()
+                    sock = None
+                    for c in self.open:
+                        with contextlib.suppress(OSError):
+                            c.shutdown(socket.SHUT_RDWR)
+                    self.open.clear()
+                time.sleep(0.05)
+                continue
+            if sock is None:
+                sock = self._listen()
+            try:
+                client, _ = sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+        if sock is not None:
+            sock.close()
+
+    @staticmethod
+    def _pipe(a, b) -> None:
+        import socket
+
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def s3_server(down_flag: Path, check_keys: bool = False):
+    """A real S3 endpoint on this machine: moto's server on a free port with a bucket "titanlite-test", behind an
+    Outage relay (down while `down_flag` exists); yields the AWS variables that reach it. check_keys: IAM checks
+    on, so that wrong credentials are refused as AWS refuses them (moto 5.2 then also refuses the signatures of
+    its own listings: for the credential tests only)."""
+    import json
+    import urllib.request
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "INITIAL_NO_AUTH_ACTION_COUNT"}
+    if check_keys:
+        env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"  # the IAM calls below; every later request must be signed right
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,  # never outlives the test run, however it ends
+    )
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="setup",
+                           aws_secret_access_key="setup")  # fmt: skip
+        iam.create_user(UserName="titanlite")
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="titanlite", PolicyName="all", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="titanlite")["AccessKey"]
+        variables = {
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_MAX_ATTEMPTS": "2",  # an endpoint that is down fails in seconds, not minutes
+        }
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id=key["AccessKeyId"],
+                     aws_secret_access_key=key["SecretAccessKey"]).create_bucket(Bucket="titanlite-test")  # fmt: skip
+        relay = Outage(port, down_flag)
+        variables["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{relay.port}"
+        yield variables
+        relay.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -43,6 +43,8 @@ SKIP = {
     "--checkpoint.load_step 400": "resumes from a step-400 checkpoint, which only an earlier run leaves",
     "--fault_tolerance.enable true --fault_tolerance.group_count 2": "needs the lighthouse the line before starts "
     "(tests/test_fault_tolerance.py runs such groups)",
+    "--checkpoint.folder s3://my-bucket/": "needs an S3 bucket and its credentials (tests/test_object_storage.py runs "
+    "against moto's S3 server)",
 }
 
 # run_train.sh's CONFIG_FILE default, as the script sets it

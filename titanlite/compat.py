@@ -76,6 +76,20 @@ def consolidate_hf_safetensors():
     return consolidate_safetensors_files_on_every_rank
 
 
+def fsspec_writer(path: str, **kwargs):
+    """DCP's storage writer over fsspec (object storage): a public class in a private module."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(path, **kwargs)
+
+
+def fsspec_reader_class():
+    """DCP's FsspecReader class (to subclass; it lives in a private module)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader
+
+
 def set_nested_element(root, path, value) -> None:
     """Put `value` at `path` of a nested state dict (DCP's own helper for flattened state dicts; private)."""
     from torch.distributed.checkpoint._traverse import set_element

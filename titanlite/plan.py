@@ -17,6 +17,7 @@ import torch
 from titanlite.checkpoint.catalog import checkpoint_folder, preflight
 from titanlite.checkpoint.hf_io import check_hf_weights
 from titanlite.checkpoint.lora_io import check_peft_folder
+from titanlite.checkpoint.remote_inputs import stage_remote_inputs
 from titanlite.checkpoint.resume import check_resume
 from titanlite.config import JobConfig
 from titanlite.data.build import check_data
@@ -238,6 +239,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     """
     dims, global_batch, grad_accum = resolve(cfg, world_size)
     if device_type is not None:
+        stage_remote_inputs(cfg)  # inputs in object storage that are read whole: copied once per machine
         preflight(cfg)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     folder = hf_folder(cfg.checkpoint.initial_load_path)

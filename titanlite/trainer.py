@@ -43,6 +43,7 @@ from titanlite.runtime.exit_status import record_end
 from titanlite.runtime.hang_watch import HangWatch
 from titanlite.runtime.run_control import guard_run, release_all
 from titanlite.sizing.flops import flops_per_token
+from titanlite.storage import describe_failure, is_remote, remove_tree, upload
 from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
@@ -329,8 +330,10 @@ class Trainer:
             self.hang.stop()
             self.watchdog.stop()
             self.replicas.close()
-            release_all(self.locks)
-            self.checkpointer.close()  # waits for an async save and restores the signal handlers
+            try:
+                self.checkpointer.close()  # waits for an async save (the folder still locked) and restores signals
+            finally:
+                release_all(self.locks)
             self.metrics.close()
             if hasattr(self.dataloader, "close"):
                 self.dataloader.close()  # the prefetch thread
@@ -345,11 +348,21 @@ class Trainer:
             )
             logger.info(f"Tokens trained on by source in this run: {shares}")
 
-    def save_hf(self) -> Path:
-        """Write the model as a HuggingFace folder <checkpoint folder>/hf-step-N (every rank its shards)."""
+    def save_hf(self):
+        """Write the model as a HuggingFace folder <checkpoint folder>/hf-step-N (every rank its shards; in object
+        storage: written under job.dump_folder, then uploaded by rank 0, config.json last)."""
         out = checkpoint_folder(self.cfg) / f"hf-step-{self.step}"
+        local = Path(self.cfg.job.dump_folder) / out.name if is_remote(out) else out
         t0 = time.perf_counter()
-        save_hf_sharded(self.model, out, TORCH_DTYPES[self.cfg.checkpoint.export_dtype], self.tokenizer)
+        save_hf_sharded(self.model, local, TORCH_DTYPES[self.cfg.checkpoint.export_dtype], self.tokenizer)
+        if local != out and self.env.rank == 0:
+            try:
+                remove_tree(out)
+                upload(local, out, last=("config.json", "model.safetensors.index.json"))
+                remove_tree(local)
+            except Exception as e:  # the checkpoints are saved; the HF copy stays in job.dump_folder
+                logger.error(f"{describe_failure(out, 'checkpoint.last_save_in_hf', e)}; it is kept in {local}")
+                return local
         logger.info(
             f"Wrote the HuggingFace model {out} ({self.cfg.checkpoint.export_dtype}) in "
             f"{time.perf_counter() - t0:.1f} s"

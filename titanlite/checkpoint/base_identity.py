@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from titanlite.errors import ConfigError
+from titanlite.storage import location
 
 logger = logging.getLogger("titanlite")
 
@@ -249,7 +250,7 @@ def write(folder: Path, identity: dict) -> None:
 
 def read(folder: Path) -> dict | None:
     """The base a checkpoint folder records (None: not a LoRA checkpoint)."""
-    return _read_json(Path(folder) / FILE) if (Path(folder) / FILE).is_file() else None
+    return _read_json(location(folder) / FILE) if (location(folder) / FILE).is_file() else None
 
 
 def _what_differs(saved: dict, now: dict) -> str:

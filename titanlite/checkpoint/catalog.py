@@ -1,13 +1,17 @@
-"""Finding checkpoints on disk: `step-N` folders, which are complete, which hold what; start-up checks.
+"""Finding checkpoints on disk or in object storage: `step-N` folders, which are complete, which hold what;
+start-up checks.
 
-A save is written to `.tmp-step-N` and renamed to `step-N` only when every rank has finished, so a
-folder named `step-N` with a readable `.metadata` is complete.
+On a local or mounted folder a save is written to `.tmp-step-N` and renamed to `step-N` only when every rank has
+finished, so a folder named `step-N` with a readable `.metadata` is complete. Object storage has no rename: a save
+is written to `step-N` itself and is complete only once its commit marker (`.committed`, written last) is there.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +19,13 @@ from pathlib import Path
 from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, load_metadata
 from titanlite.config import CHECKPOINT_PARTS, JobConfig
 from titanlite.errors import ConfigError
+from titanlite.storage import describe_failure, is_file, is_remote, is_url, location, remove_tree, storage_problem
 
 logger = logging.getLogger("titanlite")
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
+COMMITTED = ".committed"  # written last into a step folder: on object storage, what makes it complete
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,11 @@ class CheckpointInfo:
     parts: frozenset[str]
 
 
-def checkpoint_folder(cfg: JobConfig) -> Path:
-    """`<job.dump_folder>/<checkpoint.folder>` (an absolute checkpoint.folder is used as is)."""
+def checkpoint_folder(cfg: JobConfig):
+    """`<job.dump_folder>/<checkpoint.folder>` (an absolute checkpoint.folder or a URL such as s3://bucket/prefix
+    is used as is): a Path, or a UPath for object storage."""
+    if is_url(cfg.checkpoint.folder):
+        return location(cfg.checkpoint.folder)
     return Path(cfg.job.dump_folder) / cfg.checkpoint.folder
 
 
@@ -47,15 +56,25 @@ def step_folders(folder: Path) -> dict[int, Path]:
     return out
 
 
-def read_metadata(path: Path):
-    """The DCP metadata of a checkpoint folder; ValueError saying why when it is missing or unreadable."""
-    if not (path / ".metadata").is_file():
-        raise ValueError("it has no .metadata file (an incomplete or partial copy)")
+def read_metadata(path: Path, committed: bool = True):
+    """The DCP metadata of a checkpoint folder; ValueError saying why when it is missing or unreadable (in object
+    storage also without its commit marker, unless committed=False: a DCP folder other tools wrote); ConfigError
+    when object storage cannot be asked (an outage is not an absence)."""
     try:
+        if not is_file(path / ".metadata"):
+            raise ValueError("it has no .metadata file (an incomplete or partial copy)")
+        if committed and is_remote(path) and not is_file(path / COMMITTED):
+            raise ValueError(
+                f"it has no commit marker ({COMMITTED}): a save that did not finish (a later save of this step "
+                f"replaces it; a copy of a local checkpoint saved without the marker is made usable by adding an empty "
+                f"{COMMITTED})"
+            )
         return load_metadata(path)
-    except UnsafeCheckpointError:
-        raise  # not merely unreadable: refused, and the run must not fall back past it silently
+    except (ValueError, UnsafeCheckpointError):
+        raise  # UnsafeCheckpointError: not merely unreadable: refused, and the run must not fall back past it
     except Exception as e:  # truncated or foreign files raise anything from pickle or torch
+        if is_remote(path) and not isinstance(e, (EOFError, pickle.UnpicklingError)):
+            raise ConfigError(describe_failure(path, "checkpoint.folder", e)) from None
         raise ValueError(f"its .metadata cannot be read ({type(e).__name__}: {e})") from None
 
 
@@ -71,6 +90,8 @@ def complete_checkpoints(folder: Path) -> list[CheckpointInfo]:
     for step, path in sorted(step_folders(folder).items()):
         try:
             out.append(read_info(path, step))
+        except ConfigError:
+            raise  # refused, or object storage that cannot be asked: not a checkpoint to pass over
         except ValueError:
             pass
     return out
@@ -114,8 +135,8 @@ def candidates(folder: Path, load_step: int, wanted: set[str]) -> list[Checkpoin
     for step, path in sorted(step_folders(folder).items(), reverse=True):
         try:
             info = read_info(path, step)
-        except UnsafeCheckpointError:
-            raise  # a tampered folder stops the run: no silent fresh start past it
+        except ConfigError:
+            raise  # a tampered folder or an unreachable store stops the run: no silent fresh start past it
         except ValueError as e:
             logger.warning(f"Skipping checkpoint {path}: {e}")
             continue
@@ -139,7 +160,12 @@ def wanted_parts(cfg: JobConfig) -> set[str]:
 
 
 def _check_writable(folder: Path, setting: str) -> None:
-    """ConfigError naming the setting when folder cannot be created or written to."""
+    """ConfigError naming the setting when folder cannot be created or written to (a probe object on object
+    storage: the endpoint, the credentials and the bucket are checked before launch)."""
+    if is_remote(folder):
+        if problem := storage_problem(folder, setting):
+            raise ConfigError(problem)
+        return
     probe = folder / f".write-test-{socket.gethostname()}-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -154,7 +180,7 @@ def preflight(cfg: JobConfig) -> None:
     initial_load_path exist. Raises ConfigError, so a bad setting fails at start-up."""
     c = cfg.checkpoint
     _check_writable(Path(cfg.job.dump_folder), f"job.dump_folder = {cfg.job.dump_folder!r}")
-    if c.initial_load_path and not Path(c.initial_load_path).exists():
+    if c.initial_load_path and not is_url(c.initial_load_path) and not Path(c.initial_load_path).exists():
         raise ConfigError(
             f"checkpoint.initial_load_path = {c.initial_load_path!r} does not exist; valid: a DCP "
             f"checkpoint folder (step-N) or a consolidated state-dict file"
@@ -162,6 +188,45 @@ def preflight(cfg: JobConfig) -> None:
     if not c.enable:
         return
     folder = checkpoint_folder(cfg)
-    _check_writable(folder, f"checkpoint.folder = {c.folder!r} (under job.dump_folder = {cfg.job.dump_folder!r})")
+    where = f"checkpoint.folder = {c.folder!r} (under job.dump_folder = {cfg.job.dump_folder!r})"
+    _check_writable(folder, "checkpoint.folder" if is_remote(folder) else where)
     if c.load_step >= 0:
         require_step(folder, c.load_step, wanted_parts(cfg))
+
+
+def remove_checkpoint(path) -> None:
+    """Remove a step folder; in object storage its commit marker first, so that a removal cut short leaves a folder
+    that no resume uses (raises when the marker cannot be removed)."""
+    if is_remote(path):
+        (path / COMMITTED).unlink(missing_ok=True)
+    remove_tree(path)
+
+
+def remove_old(folder, keep_latest_k: int, load_step: int, saved_steps: set[int]) -> None:
+    """Retention: keep the newest keep_latest_k complete checkpoints, the newest full one and the one load_step
+    names; remove the others (saved_steps: the steps this run wrote, for the log)."""
+    if keep_latest_k <= 0:
+        return
+    complete = complete_checkpoints(folder)  # unreadable or partial folders are never counted or removed
+    if len(complete) <= keep_latest_k:
+        return
+    keep = {i.step for i in complete[-keep_latest_k:]} | {load_step}  # a requeue may be told to load it again
+    full = [i.step for i in complete if set(CHECKPOINT_PARTS) <= i.parts]
+    if full:  # the newest checkpoint a resume can use survives model-only saves
+        keep.add(full[-1])
+    for info in complete:
+        if info.step not in keep:
+            remove_checkpoint(info.path)
+            earlier = "" if info.step in saved_steps else "; written by an earlier run"
+            logger.info(f"Removed old checkpoint {info.path} (checkpoint.keep_latest_k = {keep_latest_k}{earlier})")
+
+
+def remove_temporaries(folder) -> None:
+    """Delete saves that never completed (a crash, a kill or a full disk during a save); rank 0, at start. In object
+    storage they are step-N folders without the commit marker: skipped, and replaced when the run saves that step."""
+    if is_remote(folder) or not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        if p.name.startswith(TMP_PREFIX):
+            logger.warning(f"Removing incomplete checkpoint {p} (a save that did not finish)")
+            shutil.rmtree(p, ignore_errors=True)

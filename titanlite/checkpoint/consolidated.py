@@ -18,6 +18,7 @@ from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import is_hf_folder
+from titanlite.storage import is_remote, location
 
 
 def saved_shapes(metadata, prefix: str) -> dict[str, tuple | None]:
@@ -111,9 +112,14 @@ def load_consolidated(path: Path) -> dict[str, torch.Tensor]:
 
 def resolve_step(checkpoint: Path) -> Path:
     """A step-N folder as given, or the newest complete one in a checkpoint folder; ConfigError otherwise."""
-    checkpoint = Path(checkpoint)
+    checkpoint = location(checkpoint, "--checkpoint")
     valid = "valid: a step-N checkpoint folder, or the checkpoint folder holding them (the newest is used)"
     if (checkpoint / ".metadata").exists():
+        if is_remote(checkpoint):  # only a committed step folder (a save cut short has .metadata too)
+            try:
+                read_metadata(checkpoint)
+            except ValueError as e:
+                raise ConfigError(f"--checkpoint {checkpoint} is not a usable checkpoint: {e}") from None
         return checkpoint
     if steps := step_folders(checkpoint):
         info = newest_usable(checkpoint, {"model"})

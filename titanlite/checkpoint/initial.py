@@ -26,6 +26,7 @@ from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import is_hf_folder
 from titanlite.models.lora import is_adapter
+from titanlite.storage import is_remote
 
 logger = logging.getLogger("titanlite")
 
@@ -34,11 +35,11 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
     """Fill the (sharded) model's weights from `path`; each rank reads or keeps only its shards."""
     t0 = time.perf_counter()
     quantized = quantized_weights(model)  # QLoRA's 4-bit weights: read whole, one block at a time
-    if is_hf_folder(path):
+    if not is_remote(path) and is_hf_folder(path):  # a remote one was copied here before launch (remote_inputs)
         load_hf_weights(model, path)
     elif path.is_dir():
         try:
-            metadata = read_metadata(path)
+            metadata = read_metadata(path, committed=False)  # a DCP folder any tool wrote
         except ValueError as e:
             raise ConfigError(
                 f"checkpoint.initial_load_path = {str(path)!r} is not a readable DCP checkpoint: {e}"

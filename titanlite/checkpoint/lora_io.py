@@ -32,6 +32,7 @@ from titanlite.models.lora import (
     to_peft,
     to_peft_name,
 )
+from titanlite.storage import location
 
 logger = logging.getLogger("titanlite")
 
@@ -74,7 +75,7 @@ def saved_lora(step: Path):
     from titanlite.config import Lora
 
     try:
-        table = tomllib.loads((Path(step) / "job_config.toml").read_text()).get("lora", {})
+        table = tomllib.loads((location(step) / "job_config.toml").read_text()).get("lora", {})
     except (OSError, ValueError):
         return None
     lora = Lora()

@@ -6,30 +6,31 @@ stop signals, async saves, checksums, failed saves and retention.
 writes its own shards and nobody gathers the full model. A save is written to `.tmp-step-N` and renamed
 to `step-N` by rank 0 when every rank has finished: DCP writes `.metadata` only after it has collected
 every rank's write results, then each rank records its files' checksums and rank 0 adds the run's
-config (`job_config.toml`), the model's shape (`model_args.json`) and `manifest.json`. So a folder named
-`step-N` is always complete, and a resume can check it and say what changed since.
+config (`job_config.toml`), the model's shape (`model_args.json`), `manifest.json` and `.committed`. So a
+folder named `step-N` is always complete, and a resume can check it and say what changed since. In object
+storage (checkpoint.folder = "s3://..."), which cannot rename, the save goes to `step-N` itself and
+`.committed`, written last, is what makes it complete (catalog.py).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 import os
-import shutil
 import time
-from pathlib import Path
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
+from titanlite.checkpoint import save_failure
 from titanlite.checkpoint.base_identity import FILE as LORA_BASE
 from titanlite.checkpoint.base_identity import fingerprint
 from titanlite.checkpoint.base_identity import write as write_lora_base
 from titanlite.checkpoint.catalog import (
+    COMMITTED,
     STEP_PREFIX,
     TMP_PREFIX,
     CheckpointInfo,
@@ -38,6 +39,9 @@ from titanlite.checkpoint.catalog import (
     complete_checkpoints,
     describe_steps,
     read_metadata,
+    remove_checkpoint,
+    remove_old,
+    remove_temporaries,
     wanted_parts,
 )
 from titanlite.checkpoint.consolidated import check_model_fits, model_shapes, saved_shapes
@@ -61,7 +65,8 @@ from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import CheckpointSaveError, ConfigError
 from titanlite.models.args import args_to_dict
 from titanlite.optim import optimizer_hyperparameters, peak_lrs
-from titanlite.runtime.run_control import StopSignals
+from titanlite.runtime.run_control import LOCK_LOST, StopSignals
+from titanlite.storage import dcp_writer, fsync_folder, is_remote, location, remove_tree
 
 logger = logging.getLogger("titanlite")
 
@@ -124,7 +129,7 @@ class CheckpointManager:
         lora.initial_adapter_path). True when a checkpoint was resumed."""
         info = self._choose() if self.enabled else None
         if self.cfg.initial_load_path and (info is None or self.lora):
-            load_initial_weights(self.model, Path(self.cfg.initial_load_path))
+            load_initial_weights(self.model, location(self.cfg.initial_load_path))
         if info is not None:
             self._restore(info)
         elif self.lora and self.job_cfg.lora.initial_adapter_path:
@@ -137,7 +142,7 @@ class CheckpointManager:
         box: list = [[], None]  # rank 0 lists the candidates for everyone: (infos, error message)
         if self.rank == 0:
             try:
-                self._remove_temporaries()
+                remove_temporaries(self.folder)
                 box[0] = candidates(self.folder, self.cfg.load_step, self.wanted)
             except ConfigError as e:
                 box[1] = str(e)
@@ -252,9 +257,11 @@ class CheckpointManager:
             state = {"model": model.state_dict()}
         else:
             state = {name: part.state_dict() for name, part in self.parts.items()}
-        tmp = self.folder / f"{TMP_PREFIX}{step}"
-        writer = FileSystemWriter(tmp)
+        tmp = self._writing_folder(step)
         t0 = time.perf_counter()
+        if is_remote(self.folder) and not self._all_ok((cleared := self._clear_old(step)) is None):
+            return self._failed(step, cleared)
+        writer = dcp_writer(tmp)
         if self._async_pg is None:
             error = None
             try:
@@ -268,9 +275,8 @@ class CheckpointManager:
         else:
             # FileSystemWriter stages synchronously (a CPU copy of every tensor) before async_save returns, so the
             # optimizer may change the live state at once; the write (and this rank's checksums) go on in a thread.
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg)
-            future.add_done_callback(lambda f: f.exception() is None and write_rank_manifest(tmp, self.rank))
-            self._pending = (step, future, t0)
+            written = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg)
+            self._pending = (step, _then(written, lambda: write_rank_manifest(tmp, self.rank)), t0)
             logger.info(
                 f"Checkpoint of step {step}: staged in {time.perf_counter() - t0:.2f} s, writing in the background"
             )
@@ -284,7 +290,16 @@ class CheckpointManager:
             self._async_pg = None
 
     def _agree_on_stop(self) -> bool:
-        return not self._all_ok(not self.signals.requested)
+        """Whether a stop signal reached any rank; CheckpointSaveError when another job took over the checkpoint
+        folder's lock (this job stalled past its heartbeat): it must not write over that job's checkpoints."""
+        flags = torch.tensor([int(not self.signals.requested), int(not LOCK_LOST.is_set())], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if not flags[1]:
+            raise CheckpointSaveError(
+                f"another job took over the lock on {self.folder} (logged above); stopping without saving, so as not "
+                "to write over its checkpoints"
+            )
+        return not bool(flags[0])
 
     @staticmethod
     def _all_ok(ok: bool) -> bool:
@@ -317,42 +332,79 @@ class CheckpointManager:
 
         Called on every rank together; error is None on a rank whose own part succeeded.
         """
-        tmp = self.folder / f"{TMP_PREFIX}{step}"
-        flags = [_is_disk_full(error) if error is not None else False, _first_line(error) if error else ""]
+        tmp = self._writing_folder(step)
+        flags = [save_failure.is_disk_full(error) if error is not None else False, ""]
+        flags[1] = save_failure.first_line(error, self.folder)
         everyone = [None] * self.world
         dist.all_gather_object(everyone, flags)  # the cause as the ranks that failed saw it
-        disk_full = any(f[0] for f in everyone)
-        first = next((f[1] for f in everyone if f[1]), "")
-        needed = _bytes_in(tmp)
+        partial = 0 if is_remote(tmp) else save_failure.bytes_in(tmp)
         dist.barrier()  # everyone measured before rank 0 removes it
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        complete = complete_checkpoints(self.folder)
-        previous = complete[-1] if complete else None
-        if previous is not None:
-            needed = max(needed, _bytes_in(previous.path))
-        free = shutil.disk_usage(self.folder).free if self.folder.exists() else 0
-        cause = "no space left on device" if disk_full else first or "a write failed"
-        intact = (
-            f"{previous.path.name} is intact and is where a relaunch resumes"
-            if previous
-            else "there is no earlier complete checkpoint"
-        )
-        message = (
-            f"checkpoint of step {step} could not be written to {self.folder} ({cause}); a checkpoint takes "
-            f"about {needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; the partial {tmp.name} was "
-            f"removed; {intact}"
+            remove_tree(tmp)
+        message = save_failure.describe(
+            step,
+            self.folder,
+            tmp,
+            partial,
+            next((f[1] for f in everyone if f[1]), ""),
+            any(f[0] for f in everyone),
+            self._newest_complete(),
         )
         if self.cfg.on_save_error == "continue":
             logger.error(f"{message}; training goes on without it (checkpoint.on_save_error = 'continue')")
             return None
         raise CheckpointSaveError(f"{message}; stopping (checkpoint.on_save_error = 'stop'; 'continue' trains on)")
 
+    def _writing_folder(self, step: int):
+        """Where the save of `step` is written: `.tmp-step-N`, renamed when complete; in object storage `step-N`."""
+        prefix = STEP_PREFIX if is_remote(self.folder) else TMP_PREFIX
+        return self.folder / f"{prefix}{step}"
+
+    def _clear_old(self, step: int) -> BaseException | None:
+        """Object storage: rank 0 removes an earlier run's step-N (commit marker first), which this save replaces,
+        before any rank writes into it; the error when it could not."""
+        final = self.folder / f"{STEP_PREFIX}{step}"
+        try:
+            if self.rank == 0 and final.exists():
+                logger.warning(f"Replacing {final}, written by an earlier run (this run reached step {step} again)")
+                remove_checkpoint(final)
+        except Exception as e:
+            return e
+        return None
+
     def _commit(self, step: int, t0: float) -> None:
-        """Rank 0 seals .tmp-step-N (run files, checksums) and renames it to step-N."""
+        """Rank 0 seals the save of step N (run files, checksums, commit marker) and renames it to step-N; a failure
+        leaves it unused and, by checkpoint.on_save_error, is logged or stops this rank (CheckpointSaveError)."""
         if self.rank != 0:
             return
-        tmp, final = self.folder / f"{TMP_PREFIX}{step}", self.folder / f"{STEP_PREFIX}{step}"
+        try:
+            self._seal(step, t0)
+        except Exception as e:  # an I/O error or an object store that went away: the other ranks trained on
+            previous = self._newest_complete()
+            intact = f"{previous.path.name} is intact" if previous else "there is no earlier complete checkpoint"
+            message = (
+                f"checkpoint of step {step} could not be committed in {self.folder} "
+                f"({save_failure.first_line(e, self.folder)}); it is never resumed from; {intact}"
+            )
+            if self.cfg.on_save_error == "continue":
+                logger.error(f"{message}; training goes on without it (checkpoint.on_save_error = 'continue')")
+                return
+            raise CheckpointSaveError(f"{message}; stopping (checkpoint.on_save_error = 'stop')") from e
+        try:
+            remove_old(self.folder, self.cfg.keep_latest_k, self.cfg.load_step, self.saved_steps)
+        except Exception as e:  # retention is tried again after the next save
+            logger.warning(f"Old checkpoints in {self.folder} were not removed this time: {e}")
+
+    def _newest_complete(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint, for failure messages (None also when the folder cannot be listed)."""
+        try:
+            complete = complete_checkpoints(self.folder)
+        except Exception:
+            return None
+        return complete[-1] if complete else None
+
+    def _seal(self, step: int, t0: float) -> None:
+        tmp, final = self._writing_folder(step), self.folder / f"{STEP_PREFIX}{step}"
         (tmp / "job_config.toml").write_text(self.job_config_text)
         if self.data_identity is not None:
             write_data_identity(tmp, self.data_identity)
@@ -361,88 +413,33 @@ class CheckpointManager:
         if self.lora_base is not None:
             write_lora_base(tmp, self.lora_base)
         seal(tmp, self.world, [".metadata", *RUN_FILES, *([LORA_BASE] if self.lora_base else [])])
-        if final.exists():  # an earlier save of the same step (a rerun from an older checkpoint)
+        (tmp / COMMITTED).write_text(f"{step}\n")  # last: in object storage the save is complete from here on
+        if final != tmp and final.exists():  # an earlier save of the same step (a rerun from an older checkpoint)
             logger.warning(
                 f"Replacing {final}, written by an earlier run (this run resumed from an older checkpoint and "
                 f"reached step {step} again)"
             )
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+            remove_checkpoint(final)
+        if final != tmp:
+            os.rename(tmp, final)
+            fsync_folder(self.folder)
         self.saved_steps.add(step)
-        _fsync_dir(self.folder)
         logger.info(f"Saved checkpoint {final} ({time.perf_counter() - t0:.2f} s after the save began)")
-        self._purge()
-
-    def _purge(self) -> None:
-        """Keep the newest keep_latest_k complete checkpoints, the newest full one and the one load_step names."""
-        k = self.cfg.keep_latest_k
-        if k <= 0:
-            return
-        complete = complete_checkpoints(self.folder)  # unreadable or partial folders are never counted or removed
-        if len(complete) <= k:
-            return
-        keep = {i.step for i in complete[-k:]} | {self.cfg.load_step}  # a requeue may be told to load it again
-        full = [i.step for i in complete if set(CHECKPOINT_PARTS) <= i.parts]
-        if full:  # the newest checkpoint a resume can use survives model-only saves
-            keep.add(full[-1])
-        for info in complete:
-            if info.step not in keep:
-                shutil.rmtree(info.path, ignore_errors=True)
-                earlier = "" if info.step in self.saved_steps else "; written by an earlier run"
-                logger.info(f"Removed old checkpoint {info.path} (checkpoint.keep_latest_k = {k}{earlier})")
-
-    def _remove_temporaries(self) -> None:
-        """Delete saves that never completed (a crash, a kill or a full disk during a save); rank 0, at start."""
-        if not self.folder.is_dir():
-            return
-        for p in self.folder.iterdir():
-            if p.name.startswith(TMP_PREFIX):
-                logger.warning(f"Removing incomplete checkpoint {p} (a save that did not finish)")
-                shutil.rmtree(p, ignore_errors=True)
 
 
-def _is_disk_full(error: BaseException) -> bool:
-    seen, todo = set(), [error]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        failures = getattr(e, "failures", None)  # CheckpointException: rank -> WrappedException(exc, ...)
-        todo += [
-            getattr(e, "__cause__", None),
-            getattr(e, "__context__", None),
-            getattr(e, "exc", None),
-            *(failures.values() if isinstance(failures, dict) else ()),
-        ]
-    return "No space left on device" in str(error) or "unexpected pos" in str(error)
+def _then(future: Future, after) -> Future:
+    """A future done when `future` is and then after() has run (in the writer's thread), failing with either's
+    error (a manifest that could not be written fails the save like a shard that could not)."""
+    done: Future = Future()
 
-
-def _bytes_in(folder: Path) -> int:
-    total = 0
-    for p in folder.rglob("*") if folder.is_dir() else ():
+    def chain(f: Future) -> None:
         try:
-            total += p.stat().st_size if p.is_file() else 0
-        except OSError:
-            pass
-    return total
+            if f.exception() is not None:
+                raise f.exception()
+            after()
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            done.set_exception(e)
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else ""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    future.add_done_callback(chain)
+    return done

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from titanlite.checkpoint.lora_io import check_lora_resume
 from titanlite.config import JobConfig, load
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
+from titanlite.storage import is_remote
 
 logger = logging.getLogger("titanlite")
 
@@ -69,10 +71,16 @@ def saved_model_args(path: Path) -> dict | None:
 
 def saved_job_config(path: Path) -> JobConfig | None:
     """The config of the run that saved a checkpoint (job_config.toml), if it has one and it still loads."""
-    if not (path / "job_config.toml").is_file():
+    saved = path / "job_config.toml"
+    if not saved.is_file():
         return None
     try:
-        return load(["--job.config_file", str(path / "job_config.toml")])
+        if not is_remote(path):
+            return load(["--job.config_file", str(saved)])
+        with tempfile.TemporaryDirectory() as local:  # the config loader reads local files
+            copy = Path(local) / "job_config.toml"
+            copy.write_text(saved.read_text())
+            return load(["--job.config_file", str(copy)])
     except ConfigError:
         return None
 

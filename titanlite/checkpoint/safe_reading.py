@@ -18,7 +18,6 @@ A refused file raises UnsafeCheckpointError naming the file and the type; nothin
 from __future__ import annotations
 
 import io
-import pathlib
 import pickle
 
 import torch
@@ -27,8 +26,9 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-from titanlite.compat import set_nested_element
+from titanlite.compat import fsspec_reader_class, set_nested_element
 from titanlite.errors import ConfigError
+from titanlite.storage import is_remote, location
 
 # (module, name) of every global a DCP .metadata pickle may name (seen in torch 2.11-2.15 checkpoints).
 _METADATA_CLASSES = {
@@ -81,31 +81,43 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata(path: pathlib.Path) -> dcp_metadata.Metadata:
-    """The `.metadata` of a DCP folder, unpickled with the allow-list above."""
-    file = pathlib.Path(path) / ".metadata"
-    with open(file, "rb") as f:
+def load_metadata(path) -> dcp_metadata.Metadata:
+    """The `.metadata` of a DCP folder (local or object storage), unpickled with the allow-list above."""
+    file = location(path) / ".metadata"
+    with file.open("rb") as f:
         metadata = _MetadataUnpickler(f, file).load()
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata: refused")
     return metadata
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's FileSystemReader with `.metadata` read by the allow-list unpickler (or given, already read so)."""
+class _SafeMetadata:
+    """DCP's reader with `.metadata` read by the allow-list unpickler (or given, already read so)."""
 
     def __init__(self, path, metadata: dcp_metadata.Metadata | None = None):
-        super().__init__(path)
-        self._metadata = metadata
+        super().__init__(str(path) if is_remote(path) else path)
+        self._metadata, self._where = metadata, path
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata files are not something titanlite writes
-            raise UnsafeCheckpointError(f"{self.path}: per-rank metadata files are not read")
-        metadata = self._metadata or load_metadata(pathlib.Path(self.path))
+            raise UnsafeCheckpointError(f"{self._where}: per-rank metadata files are not read")
+        metadata = self._metadata or load_metadata(self._where)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` safely."""
+
+
+def safe_reader(path, metadata: dcp_metadata.Metadata | None = None):
+    """The safe DCP storage reader of a local folder, or of an fsspec URL's (FsspecReader)."""
+    path = location(path)
+    if not is_remote(path):
+        return SafeFileSystemReader(path, metadata)
+    return type("SafeFsspecReader", (_SafeMetadata, fsspec_reader_class()), {})(path, metadata)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -134,11 +146,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def safe_dcp_load(state_dict, path, **kwargs) -> None:
     """dcp.load of `state_dict` from the DCP folder `path`, running nothing the folder holds; a refused item
     raises its UnsafeCheckpointError (not DCP's CheckpointException around it)."""
-    metadata = load_metadata(pathlib.Path(path))  # refused here, before DCP (which logs and retries a failed read)
+    metadata = load_metadata(path)  # refused here, before DCP (which logs and retries a failed read)
     try:
         dcp.load(
             state_dict,
-            storage_reader=SafeFileSystemReader(str(path), metadata),
+            storage_reader=safe_reader(path, metadata),
             planner=SafeLoadPlanner(source=str(path)),
             **kwargs,
         )

@@ -4,7 +4,8 @@
     python -m titanlite.checkpoint export --checkpoint DIR --output FOLDER --format hf [--dtype bfloat16] [--overwrite]
     python -m titanlite.checkpoint export --checkpoint DIR --output FOLDER --format peft [--overwrite]
 
-DIR is a step-N folder or a checkpoint folder (its newest step). The HF export reads the model's shape
+DIR is a step-N folder or a checkpoint folder (its newest step), local or in object storage (s3://...; so may the
+output be: docs/checkpoints.md). The HF export reads the model's shape
 and the tokenizer from the job_config.toml and model_args.json saved in the step folder. A LoRA checkpoint
 exports its adapters as a peft folder (adapter_config.json + adapter_model.safetensors), or, as hf, merged into
 its base. An existing output file, or a folder that holds a model, is replaced only with --overwrite (whole, never
@@ -22,6 +23,7 @@ from titanlite.checkpoint.consolidated import export, model_prefix, resolve_step
 from titanlite.checkpoint.export_target import check_target, write_atomically
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_FILE_BYTES, export_hf
 from titanlite.checkpoint.lora_export import export_merged, export_peft, lora_base_of
+from titanlite.checkpoint.remote_export import local_export
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
@@ -101,27 +103,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_shard_size <= 0:
             raise ConfigError(f"--max-shard-size {args.max_shard_size} is not valid; expected bytes > 0")
-        check_target(Path(args.output), args.format != "consolidated", args.overwrite, Path(args.checkpoint))
-        if args.format == "peft":
-            step = resolve_step(Path(args.checkpoint))
-            cast = TORCH_DTYPES[args.dtype] if args.dtype else None
-            n = write_atomically(Path(args.output), True, lambda tmp: export_peft(step, tmp, cast))
-            print(f"wrote {args.output}: peft adapter folder, {n} tensors, dtype {args.dtype or 'as saved'}")
-            return 0
-        if args.format == "hf":
-            n = export_to_hf(Path(args.checkpoint), Path(args.output), args.dtype, args.max_shard_size)
-            print(f"wrote {args.output}: HuggingFace folder, {n} tensors, dtype {args.dtype or 'as saved'}")
-            return 0
-        sd = export(Path(args.checkpoint), Path(args.output), args.dtype)
+        folder = args.format != "consolidated"
+        with local_export(args.checkpoint, args.output, folder, args.overwrite) as (checkpoint, output):
+            what = _export(args, Path(checkpoint), Path(output))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # after the checks: the disk filled up, the folder went away, ...
         print(f"error: writing --output {args.output} failed: {e}; nothing was written there", file=sys.stderr)
         return 1
-    numel = sum(v.numel() for v in sd.values())
-    print(f"wrote {args.output}: {len(sd)} tensors, {numel:,} values, dtype {args.dtype or 'as saved'}")
+    print(f"wrote {args.output}: {what}, dtype {args.dtype or 'as saved'}")
     return 0
+
+
+def _export(args: argparse.Namespace, checkpoint: Path, output: Path) -> str:
+    """Write the export of `checkpoint` to `output` (both local); what was written, for the closing line."""
+    check_target(output, args.format != "consolidated", args.overwrite, checkpoint)
+    if args.format == "peft":
+        step = resolve_step(checkpoint)
+        cast = TORCH_DTYPES[args.dtype] if args.dtype else None
+        n = write_atomically(output, True, lambda tmp: export_peft(step, tmp, cast))
+        return f"peft adapter folder, {n} tensors"
+    if args.format == "hf":
+        n = export_to_hf(checkpoint, output, args.dtype, args.max_shard_size)
+        return f"HuggingFace folder, {n} tensors"
+    sd = export(checkpoint, output, args.dtype)
+    return f"{len(sd)} tensors, {sum(v.numel() for v in sd.values()):,} values"
 
 
 def _lora_model(cfg, args):

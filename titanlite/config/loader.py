@@ -183,6 +183,11 @@ def validate(cfg: JobConfig) -> None:
             if check is not None and not check(value):
                 raise ConfigError(f"{section}.{key} = {value!r} is not valid; expected {fld.metadata['valid']}")
     gradient_sync_mode(cfg.parallelism)
+    if "://" in cfg.job.dump_folder and not cfg.job.dump_folder.startswith("file://"):
+        raise ConfigError(
+            f"job.dump_folder = {cfg.job.dump_folder!r} is not valid; expected a local or mounted folder (for "
+            "object storage set checkpoint.folder = 's3://bucket/prefix')"
+        )
     known = flavors(cfg.model.name)
     if cfg.model.flavor not in known:
         raise ConfigError(

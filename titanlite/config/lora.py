@@ -66,6 +66,7 @@ class Lora:
     )
     initial_adapter_path: str = setting(
         "",
-        "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from; "
+        "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors; local or an s3:// URL) to start "
+        "the adapters from; "
         "'' = new adapters (A random, B zero); unused when resuming",
     )

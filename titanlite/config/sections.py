@@ -24,7 +24,7 @@ OPTIMIZER_NAMES = ("adamw", "adam", "muon")
 @dataclass
 class Job:
     config_file: str = setting("", "TOML file to read; a bare name is looked up in train_configs/")
-    dump_folder: str = setting("./outputs", "folder for checkpoints, TensorBoard logs and other outputs")
+    dump_folder: str = setting("./outputs", "local folder for checkpoints, TensorBoard logs and other outputs")
     description: str = setting("", "free text describing the job, printed at start")
     print_config: bool = setting(False, "print the resolved configuration at start (rank 0)")
 
@@ -254,7 +254,11 @@ class LRScheduler:
 @dataclass
 class Checkpoint:
     enable: bool = setting(False, "save sharded checkpoints and resume from the newest one")
-    folder: str = setting("checkpoint", "checkpoint folder under job.dump_folder")
+    folder: str = setting(
+        "checkpoint",
+        "checkpoint folder under job.dump_folder, or in object storage: s3://bucket/prefix (any fsspec URL; "
+        "pip install 'titanlite[s3]'; credentials from the AWS variables, docs/checkpoints.md)",
+    )
     interval: int = setting(500, "save every this many steps (and at the last step)", positive, POSITIVE)
     keep_latest_k: int = setting(
         0,
@@ -304,7 +308,7 @@ class Checkpoint:
     initial_load_path: str = setting(
         "",
         "model weights to start a new run from: a DCP folder (step-N), a consolidated file, or a HuggingFace model "
-        "folder (config.json + *.safetensors); unused when resuming",
+        "folder (config.json + *.safetensors), local or an s3:// URL; unused when resuming",
     )
 
 

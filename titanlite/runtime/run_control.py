@@ -3,7 +3,8 @@
 - `FolderLock`: `<folder>/.titanlite.lock` (host, pid, run id, start time, a heartbeat) taken by rank 0 on
   the dump folder and on the checkpoint folder (wherever it is); a second job on either is refused, naming the
   first; a lock whose holder is gone (dead pid on this host, or no heartbeat for `STALE_AFTER` seconds) is
-  taken over with a warning.
+  taken over with a warning. In object storage, which has no file locks, it is a lease: an object created only
+  if none is there (S3's conditional write), written again as its heartbeat, its age the store's LastModified.
 - `die_with_launcher`: under torchrun (Linux), the kernel kills a worker the moment its launcher dies, a frozen
   worker too; `LauncherWatchdog`: a thread that notices when the process's parent (torchrun) is gone and ends
   the process at once, without a checkpoint, instead of training on as an orphan (where the kernel cannot).
@@ -28,12 +29,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from titanlite.errors import ConfigError
+from titanlite.storage import age, create_exclusive, describe_failure, is_remote, location, replace_text, touch
 
 logger = logging.getLogger("titanlite")
 
 LOCK_NAME = ".titanlite.lock"
 STALE_AFTER = 600.0  # seconds without a heartbeat after which another host's lock is taken over
 HEARTBEAT_EVERY = 60.0
+TAKEOVER_SETTLE = 2.0  # seconds between taking over a stale lock and reading it back
+LOCK_LOST = threading.Event()  # set when another job took over a lock this process held (the loop stops then)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # Linux prctl
 LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"  # set by titanlite.cli.launch (torchrun's process) for its workers
@@ -87,12 +91,16 @@ def pid_alive(pid: int) -> bool:
 
 def read_lock(folder: Path) -> dict | None:
     """The lock's holder ({host, pid, run_id, started}) and its age in seconds, or None."""
-    path = Path(folder) / LOCK_NAME
+    path = location(folder) / LOCK_NAME
     try:
         holder = json.loads(path.read_text())
-        holder["age"] = time.time() - path.stat().st_mtime
+        holder["age"] = age(path)
         return holder
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        if is_remote(path) and not isinstance(e, ValueError):
+            raise  # object storage that cannot be asked: not the same as no lease (the caller says why)
         return None
 
 
@@ -137,13 +145,24 @@ class FolderLock:
     """The lock of one job on a folder it writes (take it on rank 0 only); key: the config key naming it."""
 
     def __init__(self, folder: str | Path, key: str = "job.dump_folder"):
-        self.folder, self.key = Path(folder), key
+        self.folder, self.key = location(folder), key
         self.path = self.folder / LOCK_NAME
         self.held = False
 
     def acquire(self) -> None:
-        """Take the lock; ConfigError when a live job holds it; a stale lock is taken over with a warning."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Take the lock; ConfigError when a live job holds it or it cannot be taken; a stale lock is taken over
+        with a warning."""
+        try:
+            self._acquire()
+        except ConfigError:
+            raise
+        except Exception as e:  # object storage that refuses or cannot be reached
+            raise ConfigError(describe_failure(self.folder, self.key, e)) from None
+
+    def _acquire(self) -> None:
+        LOCK_LOST.clear()  # a new lock of this process: nothing of it is lost yet
+        if not is_remote(self.folder):  # object storage has no folders to make (and may not let the job try)
+            self.folder.mkdir(parents=True, exist_ok=True)
         holder = read_lock(self.folder)
         if _other_job(holder):
             if holder_alive(holder):
@@ -157,45 +176,53 @@ class FolderLock:
             "run_id": _run_id(),
             "started": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
         }
-        tmp = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(me))
-        try:
-            if holder is None:
-                self._create(tmp)
-            else:  # taken over from a job that is gone, or this run's own from an earlier attempt
-                os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        text = json.dumps(me)
+        if holder is not None:  # taken over from a job that is gone, or this run's own from an earlier attempt
+            replace_text(self.path, text)
+            time.sleep(
+                TAKEOVER_SETTLE if is_remote(self.folder) else 0.1
+            )  # two jobs taking over one stale lock at once: the later write stands
+            now = read_lock(self.folder)
+            if now is not None and (now.get("host"), now.get("pid")) != (me["host"], me["pid"]):
+                raise _in_use(self.folder, now, self.key)
+        elif not create_exclusive(self.path, text):  # of two jobs that start at the same moment, exactly one wins
+            holder = read_lock(self.folder)
+            if holder is not None:
+                raise _in_use(self.folder, holder, self.key)
+            logger.warning(f"Replacing the unreadable lock file {self.path}")
+            replace_text(self.path, text)
         self.held = True
 
-    def _create(self, written: Path) -> None:
-        # link() fails when the lock exists, so of two jobs that start at the same moment exactly one gets it.
-        try:
-            os.link(written, self.path)
-        except FileExistsError:
-            holder = read_lock(self.folder)
-            if holder is not None:  # written since we looked (locks are written whole, never partly)
-                raise _in_use(self.folder, holder, self.key) from None
-            logger.warning(f"Replacing the unreadable lock file {self.path}")
-            os.replace(written, self.path)
-        except OSError:  # a filesystem without hard links
-            os.replace(written, self.path)
-
     def heartbeat(self) -> None:
-        """Show that the holder is alive (the lock's modification time)."""
-        if self.held:
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass
+        """Show that the holder is alive (the lock written again, or its modification time); a lock that another
+        job took over (this one's heartbeat was late) is given up with an error."""
+        if not self.held:
+            return
+        try:
+            holder = read_lock(self.folder)
+            if _other_job(holder):
+                logger.error(
+                    f"{self.key} = {str(self.folder)!r}: the lock was taken over by another job "
+                    f"({describe_holder(holder)}) after {STALE_AFTER:.0f} s without a heartbeat of this one; this "
+                    "job stops at the end of its step without saving"
+                )
+                self.held = False
+                LOCK_LOST.set()
+                return
+            touch(self.path)
+        except Exception as e:  # a heartbeat must never end the job (a storage hiccup); the next one tries again
+            logger.warning(f"The heartbeat of the lock on {self.key} = {str(self.folder)!r} failed: {e}")
 
     def release(self) -> None:
         """Remove the lock if this process holds it."""
         if self.held:
-            holder = read_lock(self.folder)
-            if holder and holder.get("pid") == os.getpid():
-                self.path.unlink(missing_ok=True)
             self.held = False
+            try:
+                holder = read_lock(self.folder)
+                if holder and holder.get("pid") == os.getpid():
+                    self.path.unlink(missing_ok=True)
+            except Exception as e:  # the job's own end must not fail on it: the lease goes stale instead
+                logger.warning(f"The lock on {self.key} = {str(self.folder)!r} could not be removed: {e}")
 
 
 class LauncherWatchdog:

@@ -1,0 +1,215 @@
+"""Checkpoints in object storage (checkpoint.folder = "s3://..."), against moto's S3 server on this machine used
+through s3fs as a real endpoint (the `s3` fixture): save, exact resume, resume at another topology, async saves,
+retention, incomplete and corrupt step folders, the lease, exports to and from s3, an endpoint that goes down."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+import pytest
+
+from helpers import assert_same_hf_weights, capture_logs, ckpt_argv, full_model, make_trainer, run_distributed
+
+pytestmark = pytest.mark.slow  # each test talks to a server process; most spawn ranks
+
+OFF = ["--checkpoint.enable", "false"]
+
+
+def _prefix() -> str:
+    return f"s3://titanlite-test/{uuid.uuid4().hex[:8]}"
+
+
+def _objects(url: str) -> list[str]:
+    import fsspec
+
+    fs = fsspec.filesystem("s3", use_listings_cache=False)
+    root = url.removeprefix("s3://")
+    return sorted(p[len(root) + 1 :] for p in fs.find(root))
+
+
+def _steps(url: str) -> dict[str, bool]:
+    """step-N -> committed, for the step folders under url."""
+    names = _objects(url)
+    return {n.split("/")[0]: f"{n.split('/')[0]}/.committed" in names for n in names if n.startswith("step-")}
+
+
+def _two_ranks(tmp, url):
+    base = ckpt_argv(tmp, "--training.local_batch_size", "2", "--checkpoint.interval", "2")
+    s3 = ["--checkpoint.folder", url, "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2"]
+    out = {"ref": make_trainer(base + OFF).train()}
+    out["saved"] = make_trainer(base + s3 + ["--checkpoint.last_save_in_hf"]).train()
+    out["after_save"], out["hf"] = _steps(url), [n for n in _objects(url) if n.startswith("hf-step-6/")]
+    t = make_trainer(base + s3 + ["--checkpoint.load_step", "4"])
+    out["step"], out["resumed"] = t.step, t.train()
+    out["after_resume"] = _steps(url)
+    return out
+
+
+def _one_rank(tmp, url, down_flag):
+    """FSDP 2's checkpoint resumed on one process; incomplete and corrupt step folders; the endpoint down during
+    a save; exports to and from s3 and a run started from them."""
+    from pathlib import Path
+
+    import fsspec
+
+    from titanlite.cli.checkpoint import main as export_main
+
+    fs = fsspec.filesystem("s3", use_listings_cache=False)
+    base = ckpt_argv(tmp, "--training.local_batch_size", "4", "--checkpoint.interval", "2")
+    out = {"ref": make_trainer(base + OFF).train()}
+    t = make_trainer(base + ["--checkpoint.folder", f"{url}/a", "--checkpoint.load_step", "4"])
+    out["other_topology"] = (t.step, t.train())
+
+    # b: step-6 loses its commit marker (a save cut short), step-4's shard file is truncated: step-2 is resumed.
+    b = f"{url}/b"
+    make_trainer(base + ["--checkpoint.folder", b]).train()
+    root = b.removeprefix("s3://")
+    fs.rm(f"{root}/step-6/.committed")
+    shard = fs.cat_file(f"{root}/step-4/__0_0.distcp")
+    fs.pipe_file(f"{root}/step-4/__0_0.distcp", shard[: len(shard) // 2])
+    logs = capture_logs()
+    t = make_trainer(base + ["--checkpoint.folder", b])
+    out["b_step"], out["b_logs"] = t.step, list(logs)
+    out["b_resumed"] = t.train()  # saves step-4 and step-6 again over the bad ones
+    out["b_after"] = _steps(b)
+
+    # c: the endpoint is down for the whole save of step 2 and while step 4 is committed; on_save_error = continue.
+    c = f"{url}/c"
+    t = make_trainer(base + ["--checkpoint.folder", c, "--checkpoint.on_save_error", "continue"])
+    save, commit = t.checkpointer.save, t.checkpointer._commit
+
+    def down_during(call, step_down):
+        def wrapped(step, *args, **kwargs):
+            if step == step_down:
+                Path(down_flag).touch()
+            try:
+                return call(step, *args, **kwargs)
+            finally:
+                Path(down_flag).unlink(missing_ok=True)
+
+        return wrapped
+
+    t.checkpointer.save = down_during(save, 2)
+    t.checkpointer._commit = down_during(commit, 4)
+    del logs[:]
+    out["c_losses"] = t.train()
+    out["c_errors"] = [m for m in logs if "could not be" in m]
+    out["c_after"] = _steps(c)
+    t = make_trainer(base + ["--checkpoint.folder", c])
+    out["c_resumed_step"] = t.step
+
+    # Exports: s3 checkpoint -> s3 HF folder and -> a local one; a run started from the s3 HF folder and one from
+    # the s3 DCP folder read in place hold the checkpoint's weights.
+    hf = f"{url}/hf"
+    out["export"] = export_main(["export", "--checkpoint", b, "--output", hf, "--format", "hf"])
+    out["export_local"] = export_main(["export", "--checkpoint", b, "--output", str(tmp / "hf"), "--format", "hf"])
+    fs.get(f"{hf.removeprefix('s3://')}/", str(tmp / "hf_from_s3"), recursive=True)
+    out["hf_objects"] = _objects(hf)
+    weights = full_model(make_trainer(base + ["--checkpoint.folder", b, "--checkpoint.load_step", "6"]))
+    for name, start in (("from_hf", hf), ("from_dcp", f"{b}/step-6")):
+        t = make_trainer(base + OFF + ["--checkpoint.initial_load_path", start])
+        mine = full_model(t)
+        out[name] = all(bool((mine[k] == weights[k]).all()) for k in weights)
+    return out
+
+
+def test_s3_checkpoints_resume_exactly_and_on_another_topology(tmp_path, s3, monkeypatch):
+    s3.use(monkeypatch)
+    url = _prefix()
+    r = run_distributed(_two_ranks, 2, tmp_path, f"{url}/a")[0]
+    assert r["saved"] == r["ref"]  # async saves to s3 do not touch training
+    assert r["after_save"] == {"step-4": True, "step-6": True}  # keep_latest_k 2 removed step-2
+    assert "hf-step-6/config.json" in r["hf"] and "hf-step-6/model-00001-of-00001.safetensors" in r["hf"]
+    assert r["step"] == 4 and r["resumed"] == {s: r["ref"][s] for s in (5, 6)}  # exact: bit-identical losses
+    assert r["after_resume"] == {"step-4": True, "step-6": True}  # step-6 written again over the old one
+
+    one = run_distributed(_one_rank, 1, tmp_path, url, str(s3.down))[0]
+    step, resumed = one["other_topology"]
+    assert step == 4 and sorted(resumed) == [5, 6]
+    for s in (5, 6):
+        assert abs(resumed[s] - one["ref"][s]) < 1e-5 and abs(one["ref"][s] - r["ref"][s]) < 1e-5
+
+    # Incomplete and corrupt step folders are skipped with a message each, never resumed from.
+    assert one["b_step"] == 2
+    logs = "\n".join(one["b_logs"])
+    assert "step-6: it has no commit marker (.committed)" in logs
+    assert "__0_0.distcp has" in logs and "truncated" in logs
+    assert one["b_resumed"] == {s: one["ref"][s] for s in (3, 4, 5, 6)}
+    assert one["b_after"] == {"step-2": True, "step-4": True, "step-6": True}
+
+    # The endpoint down: the job trains on, says why each save failed, and resumes from the intact one.
+    assert one["c_losses"] == one["ref"]
+    assert len(one["c_errors"]) == 2, one["c_errors"]
+    assert all("s3://" in m and "cannot be reached" in m for m in one["c_errors"]), one["c_errors"]
+    assert one["c_after"].get("step-6") is True and not one["c_after"].get("step-4") and "step-2" not in one["c_after"]
+    assert one["c_resumed_step"] == 6
+
+    # Exports to and from s3: the same tensors as a local export, config.json uploaded; starts from s3 exact.
+    assert one["export"] == 0 and one["export_local"] == 0
+    assert "config.json" in one["hf_objects"] and any(n.endswith(".safetensors") for n in one["hf_objects"])
+    assert_same_hf_weights(tmp_path / "hf", tmp_path / "hf_from_s3")
+    assert one["from_hf"] and one["from_dcp"]
+
+
+def test_s3_lease_refuses_a_second_job_and_is_taken_over_when_stale(tmp_path, s3, monkeypatch):
+    from titanlite.errors import ConfigError
+    from titanlite.runtime import run_control
+    from titanlite.storage import create_exclusive, location
+
+    s3.use(monkeypatch)
+    folder = location(f"{_prefix()}/ckpt")
+    # Of two jobs creating the lease at the same moment, one wins (S3's conditional write).
+    assert [create_exclusive(folder / "race", "a"), create_exclusive(folder / "race", "b")] == [True, False]
+    assert (folder / "race").read_text() == "a"
+
+    other = {"host": "node-7", "pid": 4242, "run_id": "r1", "started": "then"}
+    (folder / run_control.LOCK_NAME).write_text(json.dumps(other))
+    lock = run_control.FolderLock(folder, "checkpoint.folder")
+    with pytest.raises(ConfigError, match="in use by another titanlite job .host node-7, pid 4242"):
+        lock.acquire()
+    monkeypatch.setattr(run_control, "STALE_AFTER", 0.0)  # node-7's heartbeat is now too old
+    logs = capture_logs()
+    lock.acquire()
+    assert any("Taking over the lock of a titanlite job that is gone (host node-7" in m for m in logs)
+    lease = location(str(folder)) / run_control.LOCK_NAME
+    assert json.loads(lease.read_text())["pid"] != 4242
+
+    lock.heartbeat()  # rewrites the lease: its age restarts
+    assert run_control.read_lock(folder)["age"] < 5
+    lease.write_text(json.dumps(other))  # another job took it over meanwhile
+    logging.getLogger("titanlite").setLevel(logging.INFO)
+    lock.heartbeat()
+    assert not lock.held and any("the lock was taken over by another job (host node-7" in m for m in logs)
+    assert run_control.LOCK_LOST.is_set()  # the loop stops at the end of its step without saving (manager.py)
+    run_control.LOCK_LOST.clear()
+    lock.release()  # not ours any more: left as it is
+    assert json.loads(lease.read_text())["host"] == "node-7"
+
+
+def test_remote_inputs_are_copied_once_per_machine_and_again_when_changed(tmp_path, s3, monkeypatch):
+    from titanlite.checkpoint.remote_inputs import local_copy, stage_remote_inputs
+    from titanlite.config import load
+    from titanlite.storage import location
+
+    s3.use(monkeypatch)
+    monkeypatch.setenv("TITANLITE_CACHE", str(tmp_path / "cache"))
+    url = _prefix()
+    adapter = location(f"{url}/adapter")
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"x" * 1000)
+    logs = capture_logs()
+    first = local_copy(str(adapter), "lora.initial_adapter_path")
+    assert sorted(p.name for p in first.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert local_copy(str(adapter), "lora.initial_adapter_path") == first  # the same machine: no second copy
+    assert sum("Copied lora.initial_adapter_path" in m for m in logs) == 1
+    (adapter / "adapter_model.safetensors").write_bytes(b"y" * 999)  # changed in the bucket: copied again
+    assert (local_copy(str(adapter), "lora.initial_adapter_path") / "adapter_model.safetensors").read_bytes() == (
+        b"y" * 999
+    )
+    # The config points at the copies, except a DCP folder (read in place by every rank, its shards).
+    (location(f"{url}/dcp") / ".metadata").write_bytes(b"...")
+    cfg = load(["--lora.initial_adapter_path", str(adapter), "--checkpoint.initial_load_path", f"{url}/dcp"])
+    stage_remote_inputs(cfg)
+    assert cfg.lora.initial_adapter_path == str(first) and cfg.checkpoint.initial_load_path == f"{url}/dcp"

@@ -1,0 +1,83 @@
+"""Start-up inputs named by an object-storage URL (checkpoint.initial_load_path, lora.initial_adapter_path).
+
+A DCP folder is read where it is: every rank reads its own shards through fsspec. A HuggingFace folder, a
+consolidated file or a peft adapter folder is read whole by the safetensors and torch readers, which need local
+files: it is copied once per machine into a cache (`$TITANLITE_CACHE/remote`, else `~/.cache/titanlite/remote`), the
+machine's ranks taking turns on a file lock, and reused while the remote listing (names, sizes, digests) is
+unchanged.
+A LoRA base is always copied: its identity is a digest of its weight files (base_identity.py).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from titanlite.config import JobConfig
+from titanlite.data.store_build import cache_root
+from titanlite.errors import ConfigError
+from titanlite.storage import checksum, describe_failure, download, files_under, is_file, is_url, location
+
+logger = logging.getLogger("titanlite")
+
+
+def _listing(path, key: str) -> tuple[bool, dict[str, list]]:
+    """(is a single file, {name: [size, digest]}) of a remote input (the digest tells a re-upload of the same size
+    apart); ConfigError naming the key when it cannot be read."""
+    try:
+        if is_file(path):
+            return True, {path.name: checksum(path)}
+        found = {name: checksum(path / name) for name in files_under(path)}
+    except Exception as e:
+        raise ConfigError(describe_failure(path, key, e)) from None
+    if not found:
+        raise ConfigError(f"{key} = {str(path)!r} does not exist (no object under that prefix); check the URL")
+    return False, found
+
+
+def local_copy(url: str, key: str) -> Path:
+    """A local copy of the remote file or folder `url` (made, or reused while unchanged), for config key `key`."""
+    path = location(url, key)
+    single, listing = _listing(path, key)
+    target = cache_root() / "remote" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    target.mkdir(parents=True, exist_ok=True)
+    copy, record = target / "data", target / "listing.json"
+    with open(target / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # this machine's other ranks wait for the one copy, then reuse it
+        if not (record.is_file() and json.loads(record.read_text()) == {"url": url, "files": listing}):
+            record.unlink(missing_ok=True)
+            shutil.rmtree(copy, ignore_errors=True)
+            t0 = time.perf_counter()
+            try:
+                download(path, copy)
+            except Exception as e:
+                shutil.rmtree(copy, ignore_errors=True)
+                raise ConfigError(describe_failure(path, key, e)) from None
+            record.write_text(json.dumps({"url": url, "files": listing}))
+            logger.info(
+                f"Copied {key} = {url} to {copy} ({sum(size for size, _ in listing.values()) / 2**20:.1f} MiB in "
+                f"{time.perf_counter() - t0:.1f} s)"
+            )
+    return copy / path.name if single else copy
+
+
+def stage_remote_inputs(cfg: JobConfig) -> None:
+    """Point checkpoint.initial_load_path and lora.initial_adapter_path at local copies where they name object
+    storage (a DCP folder stays remote, read in place, unless it is a LoRA base)."""
+    key = "checkpoint.initial_load_path"
+    if is_url(cfg.checkpoint.initial_load_path):
+        url = cfg.checkpoint.initial_load_path
+        path = location(url, key)
+        try:
+            dcp_folder = (path / ".metadata").is_file()
+        except Exception as e:
+            raise ConfigError(describe_failure(path, key, e)) from None
+        if not dcp_folder or cfg.lora.enable:
+            cfg.checkpoint.initial_load_path = str(local_copy(url, key))
+    if is_url(cfg.lora.initial_adapter_path):
+        cfg.lora.initial_adapter_path = str(local_copy(cfg.lora.initial_adapter_path, "lora.initial_adapter_path"))
