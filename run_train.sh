@@ -13,6 +13,7 @@
 #   NNODES        nodes (default 1); NODE_RANK is not needed: torchrun's rendezvous assigns ranks
 #   RDZV_ENDPOINT host:port of the rendezvous (multi-node; default localhost:0 for one node)
 #   RDZV_ID       job id shared by all nodes (default titanlite)
+#   RDZV_JOIN_TIMEOUT  seconds a node waits at the rendezvous for all NNODES nodes (default 600)
 #   LOG_RANK      local ranks whose output is shown (default 0; e.g. 0,1)
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
 #
@@ -58,6 +59,7 @@ LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
 RDZV_ID=${RDZV_ID:-titanlite}
+RDZV_JOIN_TIMEOUT=${RDZV_JOIN_TIMEOUT:-600}
 
 whole "$NGPU" && [[ "$NGPU" -ge 1 ]] || die "NGPU=$NGPU is not valid: the processes on this node, a whole number >= 1 (e.g. NGPU=8)"
 if [[ -n "$ngpu_given" && "${TITANLITE_DEVICE:-}" != cpu ]]; then  # NCCL: one GPU per process, never two on one
@@ -67,6 +69,8 @@ if [[ -n "$ngpu_given" && "${TITANLITE_DEVICE:-}" != cpu ]]; then  # NCCL: one G
     fi
 fi
 whole "$NNODES" && [[ "$NNODES" -ge 1 ]] || die "NNODES=$NNODES is not valid: the number of nodes, a whole number >= 1"
+whole "$RDZV_JOIN_TIMEOUT" && [[ "$RDZV_JOIN_TIMEOUT" -ge 1 ]] || \
+    die "RDZV_JOIN_TIMEOUT=$RDZV_JOIN_TIMEOUT is not valid: seconds to wait for every node at the rendezvous, a whole number >= 1"
 whole "$MAX_RESTARTS" || die "MAX_RESTARTS=$MAX_RESTARTS is not valid: how often to restart failed workers, a whole number >= 0"
 IFS=',' read -r -a log_ranks <<< "$LOG_RANK"
 for r in ${log_ranks[@]+"${log_ranks[@]}"}; do
@@ -102,7 +106,7 @@ fi
 # only this script, which passes each signal on once; a second Ctrl-C kills the whole session. It is killed with
 # this script however the script dies (kill -9 too), and the kernel kills its workers with it, frozen ones too.
 python -m titanlite.cli.own_session $$ python -m titanlite.cli.launch --nnodes="$NNODES" --nproc_per_node="$NGPU" \
-    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" \
+    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" --rdzv_conf="join_timeout=$RDZV_JOIN_TIMEOUT" \
     --max-restarts="$MAX_RESTARTS" --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
     -m titanlite.train --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"} &
 torchrun_pid=$!

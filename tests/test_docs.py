@@ -43,6 +43,7 @@ SKIP = {
     "--checkpoint.load_step 400": "resumes from a step-400 checkpoint, which only an earlier run leaves",
     "--fault_tolerance.enable true --fault_tolerance.group_count 2": "needs the lighthouse the line before starts "
     "(tests/test_fault_tolerance.py runs such groups)",
+    "RDZV_ENDPOINT=127.0.0.1:29533": "two nodes started together, one line each (tests/test_multi_node.py runs them)",
     "--checkpoint.folder s3://my-bucket/": "needs an S3 bucket and its credentials (tests/test_object_storage.py runs "
     "against moto's S3 server)",
 }

@@ -219,3 +219,15 @@ def _marked(learn_shapes):
             return learn_shapes(self, *args, **kwargs)
 
     return run
+
+
+def set_exit_barrier_timeout(seconds: float) -> None:
+    """How long torchrun's agent waits, once its workers are done, for the other nodes' agents (its private
+    LocalElasticAgent's exit_barrier_timeout, 300 s in torch): a node whose launcher was stopped by a signal never
+    arrives, and the other nodes would linger that long after their workers saved and exited."""
+    import functools
+
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    launcher_api.LocalElasticAgent = functools.partial(LocalElasticAgent, exit_barrier_timeout=seconds)

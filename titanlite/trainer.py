@@ -324,7 +324,7 @@ class Trainer:
             self.check_finite()
             if cfg.checkpoint.last_save_in_hf and self.step == cfg.training.steps and not self.checkpointer.preempted:
                 self.save_hf()
-            if self.env.rank == 0:
+            if self.env.local_rank == 0:  # each node's launcher reads its own record (multi-node: several)
                 record_end("stopped" if self.checkpointer.preempted else "finished", self.step)
         finally:
             self.hang.stop()

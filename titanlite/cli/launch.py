@@ -26,6 +26,9 @@ from titanlite.runtime.exit_status import ENV, read_outcome
 from titanlite.runtime.hang_watch import LauncherWatch
 from titanlite.runtime.run_control import LAUNCHER_PID_ENV
 
+# Seconds torchrun's agent waits for the other nodes' agents once its own workers are done (torch's default: 300).
+EXIT_BARRIER_ENV = "TITANLITE_EXIT_BARRIER_TIMEOUT"
+
 
 class _HideAfterUserError(logging.Filter):
     """Drops torchrun's log lines about failed and closed workers once a worker recorded why it ended, and once
@@ -70,11 +73,37 @@ def _failed(table) -> int:
     return 1
 
 
+def _option(argv: list[str], name: str, default: str) -> str:
+    """The value of torchrun's --name=value or --name value in argv."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return default
+
+
+def _rendezvous_timeout(argv: list[str]) -> int:
+    """One line for a node that waited in vain for the others at the rendezvous (exit status 1)."""
+    timeout = _option(argv, "rdzv_conf", "join_timeout=600").split("join_timeout=")[-1].split(",")[0]
+    print(
+        f"error: not every node reached the rendezvous within {timeout} s (RDZV_JOIN_TIMEOUT): NNODES="
+        f"{_option(argv, 'nnodes', '1')} nodes were to meet at RDZV_ENDPOINT={_option(argv, 'rdzv_endpoint', '?')} "
+        f"(RDZV_ID={_option(argv, 'rdzv_id', 'none')}); start run_train.sh on every node with the same NNODES, "
+        "RDZV_ENDPOINT and RDZV_ID, and check that the endpoint's host can be reached from every node",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with these arguments; returns the job's exit status (0, 1, or 2 for a user error)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun
+
+    from titanlite.compat import set_exit_barrier_timeout
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not os.environ.get(ENV):  # not from run_train.sh: a status file of its own, for this job only
@@ -91,8 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     watch = LauncherWatch(os.environ[ENV]).start()
     before = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # a worker whose launcher died during its imports sees it
+    set_exit_barrier_timeout(float(os.environ.get(EXIT_BARRIER_ENV, "30")))
     try:
         torchrun(argv)
+    except RendezvousTimeoutError:
+        return _rendezvous_timeout(argv)
+    except RendezvousError as e:  # the node that hosted the rendezvous (RDZV_ENDPOINT) is gone
+        if read_outcome(os.environ.get(ENV)).first_failure() is not None:
+            return _failed("")  # a worker already said which node it lost
+        endpoint = _option(argv, "rdzv_endpoint", "?")
+        print(
+            f"error: lost contact with the node at RDZV_ENDPOINT={endpoint}, which hosted the job's rendezvous "
+            f"({type(e).__name__}): a node of this job ended or cannot be reached, so this one stops too; relaunch "
+            f"run_train.sh on every node (NNODES={_option(argv, 'nnodes', '1')}) to resume from the newest complete "
+            "checkpoint",
+            file=sys.stderr,
+        )
+        return 1
     except SignalException as e:  # a user's or scheduler's stop: one line and its own status, no traceback
         return _stopped(e)
     except ChildFailedError as e:

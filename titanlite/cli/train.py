@@ -8,7 +8,7 @@ import os
 from titanlite.config import load, to_toml
 from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError, ReplicaGroupsError
 from titanlite.observe.metrics import setup_logging
-from titanlite.runtime.distributed import exit_process, shutdown
+from titanlite.runtime.distributed import exit_process, lost_peer, nodes_from_env, shutdown
 from titanlite.runtime.exit_status import ENV, read_outcome, report_failure, report_user_error
 from titanlite.trainer import Trainer
 
@@ -33,6 +33,22 @@ def failed_peer() -> int | None:
     return None if failure is None else failure["rank"]
 
 
+def peer_lost(error: Exception, step: int | None) -> int | None:
+    """Exit status 1 with one message when a collective failed because another node's ranks are gone (a node that
+    was killed or cut off ends the job on the others within seconds); None for any other error."""
+    address = lost_peer(error)
+    if address is None:
+        return None
+    shutdown()
+    when = f"in step {step}" if step is not None else "during start-up"
+    report_failure(
+        f"lost contact with the ranks at {address} {when} ({str(error).strip().splitlines()[0][:160]}): a node of this "
+        f"job ended or cannot be reached, so this one stops too; relaunch run_train.sh on every node (NNODES="
+        f"{nodes_from_env()}) to resume from the newest complete checkpoint"
+    )
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train as the config says; returns the exit status."""
     setup_logging()
@@ -41,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
     except ConfigError as e:
         return user_error(e)
+    except Exception as e:
+        if (ended := peer_lost(e, None)) is None:
+            raise
+        return ended
     try:
         if cfg.job.print_config and trainer.env.rank == 0:
             print(to_toml(cfg))
@@ -54,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         shutdown()
         if (peer := failed_peer()) is None:
+            if (ended := peer_lost(e, trainer.step + 1)) is not None:
+                return ended
             raise
         # A peer ended with a user error or found the job hung (the launcher prints why): this rank's broken
         # collective is only the echo of that, not a second story to tell.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
 from titanlite.dtypes import dtype_bytes
@@ -84,7 +86,7 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
         flops_rule = f"6 x {adapters:,} adapter parameters + 4 x frozen non-embedding"
     return [
         f"Job: {job}" + (f": {cfg.job.description}" if cfg.job.description else ""),
-        f"World size {dims.world_size}: data-parallel degree {dims.dp_degree} "
+        f"World size {dims.world_size}{_nodes(dims.world_size)}: data-parallel degree {dims.dp_degree} "
         f"(replicate {dims.dp_replicate} x shard {dims.dp_shard})"
         + (f" x tensor parallel {dims.tp}" if dims.tp > 1 else "")
         + (f" x pipeline parallel {dims.pp}" if getattr(dims, "pp", 1) > 1 else ""),
@@ -99,3 +101,10 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
         f"FLOPs per token: {fpt:.4g} ({flops_rule} {'active ' if model_args.moe else ''}parameters + 12 x "
         f"layers x heads x head_dim x seq_len {cfg.training.seq_len})",
     ]
+
+
+def _nodes(world: int) -> str:
+    """' (2 nodes x 8 processes)' when torchrun started the job on several nodes, else ''."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    processes = f"{per_node} process" + ("es" if per_node > 1 else "")
+    return f" ({world // per_node} nodes x {processes})" if 0 < per_node < world else ""

@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import random
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -122,3 +123,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What a collective raises when the process at the other end is gone (gloo: "Read error [10.0.0.2]:41234: Connection
+# reset by peer", "Connection closed by peer [10.0.0.2]:41234"; NCCL: a remote error).
+_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited|ncclRemoteError")
+_PEER = re.compile(r"\[([0-9A-Za-z.:_-]+)\]:\d+")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """When a collective failed because another rank's process is gone (its node ended or cannot be reached), that
+    peer's address (or "another node" when the backend does not say); else None."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not _LOST.search(text):
+        return None
+    found = _PEER.search(text)
+    return found.group(1) if found else "another node"
+
+
+def nodes_from_env() -> int:
+    """How many nodes the job spans, as torchrun set it (WORLD_SIZE / LOCAL_WORLD_SIZE)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return max(1, world_size_from_env() // local) if local else 1

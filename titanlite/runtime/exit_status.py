@@ -41,7 +41,8 @@ def _write(path: Path, record: dict) -> bool:
 
 
 def record_end(status: str, step: int) -> None:
-    """Rank 0: the workers 'finished' or 'stopped' (after a stop signal) at this step, when the launcher asked."""
+    """Local rank 0: the workers 'finished' or 'stopped' (after a stop signal) at this step, when this node's launcher
+    asked."""
     path = os.environ.get(ENV)
     if path:
         _write(Path(path), {"status": status, "step": step})
