@@ -26,6 +26,7 @@ def _launch(args, **env):
         ({"NGPU": "1.5"}, "NGPU=1.5 is not valid"),
         ({"NGPU": "-1"}, "NGPU=-1 is not valid"),
         ({"MAX_RESTARTS": "abc"}, "MAX_RESTARTS=abc is not valid"),
+        ({"RDZV_JOIN_TIMEOUT": "0"}, "RDZV_JOIN_TIMEOUT=0 is not valid: seconds to wait for every node"),
         ({"NGPU": "2", "LOG_RANK": "5"}, "LOG_RANK=5 names no local rank: with NGPU=2 the local ranks are 0 to 1"),
     ],
 )

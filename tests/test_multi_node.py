@@ -5,6 +5,7 @@ a node stopped by SIGTERM, a node that never arrives, a second job on the folder
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -33,6 +34,7 @@ def _env(**extra) -> dict:
 
 
 def _node(port: int, nnodes: int = 2, ngpu: int = 1, **extra) -> dict:
+    extra.setdefault("RDZV_JOIN_TIMEOUT", "60")  # a node whose peer failed to start does not wait 10 minutes
     return _env(NNODES=str(nnodes), NGPU=str(ngpu), RDZV_ENDPOINT=f"127.0.0.1:{port}", **extra)
 
 
@@ -44,10 +46,11 @@ def _two_nodes(dump: Path, *args: str, timeout: float = 240) -> list[subprocess.
     """run_train.sh on two 'nodes' (two agents, one rendezvous) until both end."""
     port = free_port()
     cmd = ["./run_train.sh", *TINY, "--job.dump_folder", str(dump), *args]
-    with job(cmd, env=_node(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as a:
+    log = dump.parent / f"{dump.name}-node0.log"  # a file, not a pipe nobody reads while node 1 runs
+    with open(log, "w") as out, job(cmd, env=_node(port), stdout=out, stderr=subprocess.STDOUT) as a:
         b = run_job(cmd, env=_node(port), timeout=timeout, merge_output=True)
-        out_a, _ = a.communicate(timeout=timeout)
-    return [subprocess.CompletedProcess(a.args, a.returncode, out_a, None), b]
+        a.wait(timeout=timeout)
+    return [subprocess.CompletedProcess(a.args, a.returncode, log.read_text(), None), b]
 
 
 def _one_node(dump: Path, *args: str) -> subprocess.CompletedProcess:
@@ -95,9 +98,12 @@ def test_a_node_that_is_killed_stopped_or_never_comes_and_a_second_job(tmp_path)
            "--job.dump_folder", str(dump)]  # fmt: skip
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
 
+    files = contextlib.ExitStack()
+
     def start_both():
         port = free_port()
-        return [job(cmd, env=_node(port), stdout=open(log, "w"), stderr=subprocess.STDOUT) for log in logs]
+        outs = [files.enter_context(open(log, "w")) for log in logs]
+        return [job(cmd, env=_node(port), stdout=out, stderr=subprocess.STDOUT) for out in outs]
 
     # SIGTERM to one node's launcher: every rank of both nodes saves the same step and both nodes exit 0.
     a_job, b_job = start_both()
@@ -115,6 +121,7 @@ def test_a_node_that_is_killed_stopped_or_never_comes_and_a_second_job(tmp_path)
     saved = sorted(dump.glob("checkpoint/step-*"))
     assert len(saved) == 1 and {p.name for p in saved[0].glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     assert "saved no checkpoint" not in logs[1].read_text()  # its launcher read its own node's record
+    assert "Traceback" not in logs[0].read_text() + logs[1].read_text()
     assert ended < 30, ended  # the exit barrier waits 5 s (TITANLITE_EXIT_BARRIER_TIMEOUT) for the stopped node
 
     # kill -9 of one node's run_train.sh: the other node's job ends within seconds, with one message naming it.
@@ -129,9 +136,11 @@ def test_a_node_that_is_killed_stopped_or_never_comes_and_a_second_job(tmp_path)
         stop_job(b)
     text = logs[0].read_text()
     assert ended < 20, ended
-    # The message names the node: its ranks' address, or the rendezvous it hosted (whichever the survivor saw first).
-    lost = [line for line in text.splitlines() if "lost contact with the" in line]
-    assert len(lost) == 1 and "127.0.0.1" in lost[0] and "NNODES=2" in lost[0], text[-3000:]
+    files.close()
+    # One line names the node: its ranks' address, or the rendezvous it hosted (whichever the survivor saw first).
+    lost = [line for line in text.splitlines() if line.startswith("error")]
+    assert len(lost) == 1 and "lost contact with the" in lost[0] and "127.0.0.1" in lost[0], text[-3000:]
+    assert "NNODES=2" in lost[0], lost
     assert "Traceback" not in text, text[-3000:]
     deadline = time.monotonic() + 10
     while _left(dump) and time.monotonic() < deadline:

@@ -224,10 +224,19 @@ def _marked(learn_shapes):
 def set_exit_barrier_timeout(seconds: float) -> None:
     """How long torchrun's agent waits, once its workers are done, for the other nodes' agents (its private
     LocalElasticAgent's exit_barrier_timeout, 300 s in torch): a node whose launcher was stopped by a signal never
-    arrives, and the other nodes would linger that long after their workers saved and exited."""
-    import functools
+    arrives, and the other nodes would linger that long after their workers saved and exited. A torch whose agent
+    has no such keyword is left as it is."""
+    import inspect
 
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    launcher_api.LocalElasticAgent = functools.partial(LocalElasticAgent, exit_barrier_timeout=seconds)
+    if "exit_barrier_timeout" not in inspect.signature(LocalElasticAgent.__init__).parameters:
+        return
+
+    class _Agent(LocalElasticAgent):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("exit_barrier_timeout", seconds)
+            super().__init__(*args, **kwargs)
+
+    launcher_api.LocalElasticAgent = _Agent

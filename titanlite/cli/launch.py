@@ -22,7 +22,7 @@ import signal
 import sys
 import tempfile
 
-from titanlite.runtime.exit_status import ENV, read_outcome
+from titanlite.runtime.exit_status import ENV, LOST_PEER, read_outcome
 from titanlite.runtime.hang_watch import LauncherWatch
 from titanlite.runtime.run_control import LAUNCHER_PID_ENV
 
@@ -37,6 +37,16 @@ class _HideAfterUserError(logging.Filter):
     stopping = False
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Error waiting on exit barrier"):  # a node stopped by a signal left at once
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "another node's launcher left before torchrun's exit barrier (a node stopped by a signal leaves at "
+                "once); this node's workers had finished",
+                (),
+                None,
+                None,
+            )
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            return True
         if record.levelno < logging.WARNING or not record.name.startswith("torch.distributed.elastic"):
             return True
         if "death signal" in record.getMessage():
@@ -47,8 +57,8 @@ class _HideAfterUserError(logging.Filter):
 def _stopped(e) -> int:
     """The exit status and one line for torchrun stopped by a signal: 0 when the workers saved and exited after
     it (rank 0 recorded 'stopped'); else 128 + the signal, saying that they saved nothing."""
-    if read_outcome(os.environ.get(ENV)).status == "stopped":
-        return 0  # rank 0 already logged the step it saved
+    if read_outcome(os.environ.get(ENV)).status in ("stopped", "finished"):
+        return 0  # the workers logged the step they saved (or finished; the signal came in the exit barrier)
     name = signal.Signals(e.sigval).name
     print(
         f"titanlite: stopped by {name}; the workers saved no checkpoint after it (it came during start-up, or "
@@ -59,10 +69,13 @@ def _stopped(e) -> int:
 
 
 def _failed(table) -> int:
-    """The exit status and message of a failed job: what a worker recorded (a user error: 2; a failed run or a hang
-    found by the watch: 1), else torchrun's failure table (status 1)."""
-    failure = read_outcome(os.environ.get(ENV)).first_failure()
-    if failure is None:
+    """The exit status and message of a failed job: what a worker recorded (a user error: 2; a failed run, a lost
+    node or a hang found by the watch: 1), else torchrun's failure table (status 1), also when a rank of this node
+    crashed without a record while the others only lost it."""
+    outcome = read_outcome(os.environ.get(ENV))
+    failure = outcome.first_failure()
+    crashed = [r for r in getattr(table, "failures", {}) if r not in outcome.failures]
+    if failure is None or (failure.get("status") == LOST_PEER and crashed):
         print(f"torchrun: a worker failed\n{table}", file=sys.stderr)
         return 1
     where = f" (rank {failure['rank']})" if failure["rank"] else ""
@@ -73,19 +86,29 @@ def _failed(table) -> int:
     return 1
 
 
+def _seconds(text: str, default: float) -> float:
+    """A positive number of seconds from an environment variable's text, else the default."""
+    try:
+        value = float(text)
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
 def _option(argv: list[str], name: str, default: str) -> str:
     """The value of torchrun's --name=value or --name value in argv."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
     for i, arg in enumerate(argv):
-        if arg.startswith(f"--{name}="):
-            return arg.split("=", 1)[1]
-        if arg == f"--{name}" and i + 1 < len(argv):
-            return argv[i + 1]
+        flag, _, value = arg.partition("=")
+        if flag in spellings:
+            return value if value else (argv[i + 1] if i + 1 < len(argv) else default)
     return default
 
 
 def _rendezvous_timeout(argv: list[str]) -> int:
     """One line for a node that waited in vain for the others at the rendezvous (exit status 1)."""
-    timeout = _option(argv, "rdzv_conf", "join_timeout=600").split("join_timeout=")[-1].split(",")[0]
+    conf = _option(argv, "rdzv_conf", "")
+    timeout = conf.split("join_timeout=")[1].split(",")[0] if "join_timeout=" in conf else "600"
     print(
         f"error: not every node reached the rendezvous within {timeout} s (RDZV_JOIN_TIMEOUT): NNODES="
         f"{_option(argv, 'nnodes', '1')} nodes were to meet at RDZV_ENDPOINT={_option(argv, 'rdzv_endpoint', '?')} "
@@ -120,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     watch = LauncherWatch(os.environ[ENV]).start()
     before = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # a worker whose launcher died during its imports sees it
-    set_exit_barrier_timeout(float(os.environ.get(EXIT_BARRIER_ENV, "30")))
+    set_exit_barrier_timeout(_seconds(os.environ.get(EXIT_BARRIER_ENV, ""), 30.0))
     try:
         torchrun(argv)
     except RendezvousTimeoutError:
@@ -130,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             return _failed("")  # a worker already said which node it lost
         endpoint = _option(argv, "rdzv_endpoint", "?")
         print(
-            f"error: lost contact with the node at RDZV_ENDPOINT={endpoint}, which hosted the job's rendezvous "
-            f"({type(e).__name__}): a node of this job ended or cannot be reached, so this one stops too; relaunch "
-            f"run_train.sh on every node (NNODES={_option(argv, 'nnodes', '1')}) to resume from the newest complete "
-            "checkpoint",
+            f"error: lost contact with the job's rendezvous at RDZV_ENDPOINT={endpoint} ({type(e).__name__}): the "
+            "node that hosts it (the first to start there) ended, has not started within 60 s, or cannot be reached, "
+            f"so this one stops; relaunch run_train.sh on every node (NNODES={_option(argv, 'nnodes', '1')}) to resume "
+            "from the newest complete checkpoint",
             file=sys.stderr,
         )
         return 1

@@ -9,7 +9,15 @@ from titanlite.config import load, to_toml
 from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError, ReplicaGroupsError
 from titanlite.observe.metrics import setup_logging
 from titanlite.runtime.distributed import exit_process, lost_peer, nodes_from_env, shutdown
-from titanlite.runtime.exit_status import ENV, read_outcome, report_failure, report_user_error
+from titanlite.runtime.exit_status import (
+    ENV,
+    LOST_PEER,
+    read_outcome,
+    record_failure,
+    report_failure,
+    report_user_error,
+)
+from titanlite.runtime.hang_watch import restarts_left
 from titanlite.trainer import Trainer
 
 logger = logging.getLogger("titanlite")
@@ -28,24 +36,30 @@ def user_error(e: ConfigError) -> int:
 
 
 def failed_peer() -> int | None:
-    """The rank that recorded a user error or a hang for run_train.sh's launcher, if any did."""
+    """The rank that recorded a user error, a failed run or a hang for run_train.sh's launcher, if any did (a rank
+    that only lost another node's ranks is not the story)."""
     failure = read_outcome(os.environ.get(ENV)).first_failure()
-    return None if failure is None else failure["rank"]
+    return None if failure is None or failure["status"] == LOST_PEER else failure["rank"]
 
 
 def peer_lost(error: Exception, step: int | None) -> int | None:
-    """Exit status 1 with one message when a collective failed because another node's ranks are gone (a node that
-    was killed or cut off ends the job on the others within seconds); None for any other error."""
-    address = lost_peer(error)
+    """Exit status 1 with one message when a collective failed because the processes of another node are gone (a
+    node that was killed ends the job on the others within seconds); None for any other error, and on one node (a
+    crashed rank there is torchrun's failure table's story)."""
+    address = lost_peer(error) if nodes_from_env() > 1 else None
     if address is None:
         return None
-    shutdown()
     when = f"in step {step}" if step is not None else "during start-up"
-    report_failure(
-        f"lost contact with the ranks at {address} {when} ({str(error).strip().splitlines()[0][:160]}): a node of this "
-        f"job ended or cannot be reached, so this one stops too; relaunch run_train.sh on every node (NNODES="
+    message = (
+        f"lost contact with the ranks at {address} {when} ({str(error).strip().splitlines()[0][:160]}): a node of "
+        f"this job ended or cannot be reached, so this one stops too; relaunch run_train.sh on every node (NNODES="
         f"{nodes_from_env()}) to resume from the newest complete checkpoint"
     )
+    # Recorded before the process group is torn down (which may wait on the dead peer); with torchrun restarts left
+    # the job goes on, and a record would outlive this attempt.
+    if restarts_left() > 0 or not record_failure(LOST_PEER, message, int(os.environ.get("RANK", "0"))):
+        logger.error(message)
+    shutdown()
     return 1
 
 
@@ -74,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         shutdown()
         if (peer := failed_peer()) is None:
-            if (ended := peer_lost(e, trainer.step + 1)) is not None:
+            if (ended := peer_lost(e, trainer.step)) is not None:
                 return ended
             raise
         # A peer ended with a user error or found the job hung (the launcher prints why): this rank's broken

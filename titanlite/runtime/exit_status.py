@@ -1,11 +1,12 @@
 """How the workers of a run_train.sh job ended, told to the launcher through small files in the temp folder.
 
-run_train.sh sets TITANLITE_EXIT_STATUS_FILE. Rank 0 writes there whether the run finished or stopped after a
-stop signal (torchrun exits 1 after it forwarded a signal even when every worker saved and exited 0). A rank
-that ends with a user error (a ConfigError), a run that failed (a non-finite loss) or a watch that finds the job
-hung writes `<file>.<rank>` with its message, so the launcher can print it once and exit 2 (or 1), without
-torchrun's failure dump. Nothing here may turn a
-finished run into a failed one: a status that cannot be written (a full or read-only temp folder) is a warning.
+run_train.sh sets TITANLITE_EXIT_STATUS_FILE, one per node. Each node's local rank 0 writes there whether the run
+finished or stopped after a stop signal (torchrun exits 1 after it forwarded a signal even when every worker saved
+and exited 0). A rank that ends with a user error (a ConfigError), a run that failed (a non-finite loss), a lost
+node (its collective failed because another node's processes are gone) or a watch that finds the job hung writes
+`<file>.<rank>` with its message, so the launcher can print it once and exit 2 (or 1), without torchrun's failure
+dump. Nothing here may turn a finished run into a failed one: a status that cannot be written (a full or read-only
+temp folder) is a warning.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def _write(path: Path, record: dict) -> bool:
             f"torchrun's own exit status instead"
         )
         return False
+
+
+LOST_PEER = "lost_peer"  # a rank whose collective failed because another node's processes are gone
 
 
 def record_end(status: str, step: int) -> None:
@@ -92,14 +96,16 @@ def _first_to_tell() -> bool:
 
 @dataclass
 class Outcome:
-    """What the workers recorded: rank 0's end status and every rank's failure."""
+    """What the workers recorded: this node's end status (its local rank 0's) and every rank's failure."""
 
     status: str | None = None
     failures: dict[int, dict] = field(default_factory=dict)  # rank -> {"status", "message"}
 
     def first_failure(self) -> dict | None:
         """The failure of the lowest rank; user errors before hangs (a hang report follows a peer's error)."""
-        ranked = sorted(self.failures.items(), key=lambda kv: (kv[1].get("status") != "config_error", kv[0]))
+        # user errors first, then failures and hangs, then ranks that only lost another node
+        order = {"config_error": 0, LOST_PEER: 2}
+        ranked = sorted(self.failures.items(), key=lambda kv: (order.get(kv[1].get("status"), 1), kv[0]))
         return ranked[0][1] | {"rank": ranked[0][0]} if ranked else None
 
 
