@@ -64,26 +64,16 @@ def nbytes(state) -> int:
 
 
 def start_s3() -> subprocess.Popen | None:
-    """moto's server on a free port with a bucket "bench", unless AWS_ENDPOINT_URL names an endpoint already."""
+    """moto's server on a free port with a bucket "bench" (the tests' moto_server), unless AWS_ENDPOINT_URL names an
+    endpoint already."""
     if os.environ.get("AWS_ENDPOINT_URL"):
         return None
-    import socket
-    import urllib.request
-
     import boto3
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import moto_server
+
+    server, url = moto_server()
     os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION="us-east-1")  # fmt: skip
     boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="bench")

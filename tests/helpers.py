@@ -385,6 +385,28 @@ class Outage:
         self._thread.join(timeout=5)
 
 
+def moto_server(env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server on a free port of this machine, answering, and dying with this process: (process, URL)."""
+    import urllib.request
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,  # never outlives the run, however it ends
+    )
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    return server, url
+
+
 def _die_with_parent() -> None:
     import ctypes
 
@@ -398,27 +420,13 @@ def s3_server(down_flag: Path, check_keys: bool = False):
     on, so that wrong credentials are refused as AWS refuses them (moto 5.2 then also refuses the signatures of
     its own listings: for the credential tests only)."""
     import json
-    import urllib.request
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "INITIAL_NO_AUTH_ACTION_COUNT"}
     if check_keys:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"  # the IAM calls below; every later request must be signed right
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent,  # never outlives the test run, however it ends
-    )
+    server, url = moto_server(env)
+    port = int(url.rsplit(":", 1)[1])
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
         import boto3
 
         iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="setup",
