@@ -10,7 +10,16 @@ import uuid
 
 import pytest
 
-from helpers import assert_same_hf_weights, capture_logs, ckpt_argv, full_model, make_trainer, run_distributed
+from helpers import (
+    assert_same_hf_weights,
+    capture_logs,
+    ckpt_argv,
+    full_model,
+    make_trainer,
+    run_distributed,
+    run_module,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.slow  # each test talks to a server process; most spawn ranks
 
@@ -151,6 +160,14 @@ def test_s3_checkpoints_resume_exactly_and_on_another_topology(tmp_path, s3, mon
     assert "config.json" in one["hf_objects"] and any(n.endswith(".safetensors") for n in one["hf_objects"])
     assert_same_hf_weights(tmp_path / "hf", tmp_path / "hf_from_s3")
     assert one["from_hf"] and one["from_dcp"]
+
+    # generate reads a checkpoint folder in s3 (its newest committed step, copied here) as the local HF export.
+    greedy = ("--prompt", "The cat", "--max-new-tokens", "8", "--temperature", "0", "--model.flavor", "tiny")
+    env = subprocess_env(TITANLITE_CACHE=str(tmp_path / "cache"))
+    remote = run_module("titanlite.generate", "--checkpoint", f"{url}/b", *greedy, env=env)
+    local = run_module("titanlite.generate", "--checkpoint", tmp_path / "hf", *greedy, env=env)
+    assert remote.returncode == 0 and local.returncode == 0, (remote.stderr[-2000:], local.stderr[-2000:])
+    assert remote.stdout == local.stdout and len(remote.stdout) > len("The cat")
 
 
 def test_s3_lease_refuses_a_second_job_and_is_taken_over_when_stale(tmp_path, s3, monkeypatch):

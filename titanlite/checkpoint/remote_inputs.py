@@ -18,6 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
+from titanlite.checkpoint.consolidated import resolve_step
 from titanlite.config import JobConfig
 from titanlite.data.store_build import cache_root
 from titanlite.errors import ConfigError
@@ -64,6 +65,21 @@ def local_copy(url: str, key: str) -> Path:
                 f"{time.perf_counter() - t0:.1f} s)"
             )
     return copy / path.name if single else copy
+
+
+def local_checkpoint(url: str, key: str = "--checkpoint") -> Path:
+    """A copy on this machine of what generate reads whole: the step folder `url` names or the newest committed one
+    under it, or a HuggingFace folder."""
+    path = location(url, key)
+    try:
+        if is_file(path / "config.json"):
+            return local_copy(url, key)
+        step = resolve_step(path)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(describe_failure(path, key, e)) from None
+    return local_copy(str(step), key)
 
 
 def stage_remote_inputs(cfg: JobConfig) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from titanlite.checkpoint.catalog import checkpoint_folder
 from titanlite.checkpoint.lora_export import dequantize_like_training, nf4_base_note
+from titanlite.checkpoint.remote_inputs import local_checkpoint
 from titanlite.config import load
 from titanlite.data.chat import load_template
 from titanlite.data.tokenizers import build_tokenizer
@@ -38,6 +39,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.plan import check_parallelism
 from titanlite.runtime.distributed import exit_process, init_distributed, pick_device, shutdown, world_size_from_env
 from titanlite.runtime.exit_status import report_user_error
+from titanlite.storage import is_url
 
 logger = logging.getLogger("titanlite")
 
@@ -97,6 +99,8 @@ def run(argv: list[str]) -> str:
             raise ConfigError(f"{flag} {value} is not valid; expected an integer >= 0")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature {args.temperature} is not valid; expected a finite number >= 0 (0 = greedy)")
+    if args.checkpoint and is_url(args.checkpoint):  # read whole: a copy on this machine (remote_inputs.py)
+        args.checkpoint = str(local_checkpoint(args.checkpoint))
     if args.checkpoint and is_hf_folder(args.checkpoint):
         # A HuggingFace folder: its config.json gives the shape, its tokenizer (if any) the tokenizer.
         hf = ["--model.flavor", "hf", "--checkpoint.initial_load_path", args.checkpoint]
@@ -133,6 +137,8 @@ def run(argv: list[str]) -> str:
         raise ConfigError(f"{e} (generate runs on {world} process(es); --nproc N runs it on N)") from None
     dims = dims if world > 1 else None
     ckpt_arg = args.checkpoint or str(checkpoint_folder(cfg))
+    if is_url(ckpt_arg):  # the configured checkpoint.folder is in object storage
+        ckpt_arg = str(local_checkpoint(ckpt_arg, "checkpoint.folder"))
     checkpoint = None if ckpt_arg.lower() == "none" else resolve_checkpoint(ckpt_arg, given=bool(args.checkpoint))
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     settle_lora(cfg, checkpoint, _given_keys(overrides), tokenizer.vocab_size)  # the adapters' own [lora] and base
