@@ -12,7 +12,7 @@
 #   NGPU          processes on this node (default: visible GPUs, else 2 CPU processes)
 #   NNODES        nodes (default 1); NODE_RANK is not needed: torchrun's rendezvous assigns ranks
 #   RDZV_ENDPOINT host:port of the rendezvous (multi-node; default localhost:0 for one node)
-#   RDZV_ID       job id shared by all nodes (default titanlite)
+#   RDZV_ID       job id shared by all nodes (default titanlite; on one node a new one per launch)
 #   RDZV_JOIN_TIMEOUT  seconds a node waits at the rendezvous for all NNODES nodes (default 600)
 #   LOG_RANK      local ranks whose output is shown (default 0; e.g. 0,1)
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
@@ -58,7 +58,9 @@ NNODES=${NNODES:-1}
 LOG_RANK=${LOG_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
-RDZV_ID=${RDZV_ID:-titanlite}
+# On one node a job id of its own (two jobs on one folder must not look like attempts of one run); several nodes
+# share theirs, and each names it (or all keep this default).
+if [[ "$NNODES" == 1 ]]; then RDZV_ID=${RDZV_ID:-titanlite-$$}; else RDZV_ID=${RDZV_ID:-titanlite}; fi
 RDZV_JOIN_TIMEOUT=${RDZV_JOIN_TIMEOUT:-600}
 
 whole "$NGPU" && [[ "$NGPU" -ge 1 ]] || die "NGPU=$NGPU is not valid: the processes on this node, a whole number >= 1 (e.g. NGPU=8)"

@@ -186,6 +186,17 @@ def test_s3_lease_refuses_a_second_job_and_is_taken_over_when_stale(tmp_path, s3
     lock = run_control.FolderLock(folder, "checkpoint.folder")
     with pytest.raises(ConfigError, match="in use by another titanlite job .host node-7, pid 4242"):
         lock.acquire()
+    # A live job on this host with the same run id (another job started with the same RDZV_ID) is another job too.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
+    import os
+    import socket
+
+    twin = {"host": socket.gethostname(), "pid": os.getppid(), "run_id": "r1", "started": "then"}
+    (folder / run_control.LOCK_NAME).write_text(json.dumps(twin))
+    with pytest.raises(ConfigError, match="in use by another titanlite job"):
+        lock.acquire()
+    (folder / run_control.LOCK_NAME).write_text(json.dumps(other))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     monkeypatch.setattr(run_control, "STALE_AFTER", 0.0)  # node-7's heartbeat is now too old
     logs = capture_logs()
     lock.acquire()

@@ -328,11 +328,11 @@ class Trainer:
                 record_end("stopped" if self.checkpointer.preempted else "finished", self.step)
         finally:
             self.hang.stop()
-            self.watchdog.stop()
             self.replicas.close()
             try:
                 self.checkpointer.close()  # waits for an async save (the folder still locked) and restores signals
             finally:
+                self.watchdog.stop()  # its heartbeats kept the locks alive until here
                 release_all(self.locks)
             self.metrics.close()
             if hasattr(self.dataloader, "close"):

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from titanlite.errors import ConfigError
-from titanlite.storage import location
+from titanlite.storage import is_file, location
 
 logger = logging.getLogger("titanlite")
 
@@ -250,7 +250,7 @@ def write(folder: Path, identity: dict) -> None:
 
 def read(folder: Path) -> dict | None:
     """The base a checkpoint folder records (None: not a LoRA checkpoint)."""
-    return _read_json(location(folder) / FILE) if (location(folder) / FILE).is_file() else None
+    return _read_json(location(folder) / FILE) if is_file(location(folder) / FILE) else None
 
 
 def _what_differs(saved: dict, now: dict) -> str:

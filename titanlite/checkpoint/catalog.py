@@ -48,33 +48,43 @@ def checkpoint_folder(cfg: JobConfig):
 def step_folders(folder: Path) -> dict[int, Path]:
     """Folders named step-N in `folder` (complete or not), by step."""
     out = {}
-    if folder.is_dir():
-        for p in folder.iterdir():
+    try:
+        listed = list(folder.iterdir()) if folder.is_dir() else []
+    except Exception as e:
+        if not is_remote(folder):
+            raise
+        raise ConfigError(describe_failure(folder, "checkpoint.folder", e)) from None
+    if listed:
+        for p in listed:
             suffix = p.name[len(STEP_PREFIX) :]
             if p.name.startswith(STEP_PREFIX) and suffix.isdigit() and p.is_dir():
                 out[int(suffix)] = p
     return out
 
 
-def read_metadata(path: Path, committed: bool = True):
+def read_metadata(path: Path, committed: bool = True, key: str = "checkpoint.folder"):
     """The DCP metadata of a checkpoint folder; ValueError saying why when it is missing or unreadable (in object
     storage also without its commit marker, unless committed=False: a DCP folder other tools wrote); ConfigError
-    when object storage cannot be asked (an outage is not an absence)."""
+    naming `key` when object storage cannot be asked (an outage is not an absence)."""
     try:
-        if not is_file(path / ".metadata"):
-            raise ValueError("it has no .metadata file (an incomplete or partial copy)")
-        if committed and is_remote(path) and not is_file(path / COMMITTED):
-            raise ValueError(
-                f"it has no commit marker ({COMMITTED}): a save that did not finish (a later save of this step "
-                f"replaces it; a copy of a local checkpoint saved without the marker is made usable by adding an empty "
-                f"{COMMITTED})"
-            )
+        has_metadata = is_file(path / ".metadata")
+        has_marker = not (committed and is_remote(path)) or is_file(path / COMMITTED)
+    except Exception as e:
+        raise ConfigError(describe_failure(path, key, e)) from None
+    if not has_metadata:
+        raise ValueError("it has no .metadata file (an incomplete or partial copy)")
+    if not has_marker:
+        raise ValueError(
+            f"it has no commit marker ({COMMITTED}): a save that did not finish (a later save of this step replaces "
+            f"it; a copy of a local checkpoint saved without the marker is made usable by adding an empty {COMMITTED})"
+        )
+    try:
         return load_metadata(path)
-    except (ValueError, UnsafeCheckpointError):
-        raise  # UnsafeCheckpointError: not merely unreadable: refused, and the run must not fall back past it
+    except UnsafeCheckpointError:
+        raise  # not merely unreadable: refused, and the run must not fall back past it silently
     except Exception as e:  # truncated or foreign files raise anything from pickle or torch
-        if is_remote(path) and not isinstance(e, (EOFError, pickle.UnpicklingError)):
-            raise ConfigError(describe_failure(path, "checkpoint.folder", e)) from None
+        if is_remote(path) and not isinstance(e, (EOFError, ValueError, pickle.UnpicklingError)):
+            raise ConfigError(describe_failure(path, key, e)) from None
         raise ValueError(f"its .metadata cannot be read ({type(e).__name__}: {e})") from None
 
 
@@ -90,8 +100,10 @@ def complete_checkpoints(folder: Path) -> list[CheckpointInfo]:
     for step, path in sorted(step_folders(folder).items()):
         try:
             out.append(read_info(path, step))
+        except UnsafeCheckpointError:
+            pass  # never counted (the resume refuses it, naming it)
         except ConfigError:
-            raise  # refused, or object storage that cannot be asked: not a checkpoint to pass over
+            raise  # object storage that cannot be asked: not a checkpoint to pass over
         except ValueError:
             pass
     return out
@@ -112,6 +124,8 @@ def require_step(folder: Path, step: int, wanted: set[str]) -> CheckpointInfo:
         )
     try:
         info = read_info(path, step)
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError(
             f"checkpoint.load_step = {step}: {path} is not a usable checkpoint: {e}; "

@@ -117,7 +117,9 @@ def resolve_step(checkpoint: Path) -> Path:
     if (checkpoint / ".metadata").exists():
         if is_remote(checkpoint):  # only a committed step folder (a save cut short has .metadata too)
             try:
-                read_metadata(checkpoint)
+                read_metadata(checkpoint, key="--checkpoint")
+            except ConfigError:
+                raise
             except ValueError as e:
                 raise ConfigError(f"--checkpoint {checkpoint} is not a usable checkpoint: {e}") from None
         return checkpoint

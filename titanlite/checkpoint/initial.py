@@ -39,7 +39,11 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
         load_hf_weights(model, path)
     elif path.is_dir():
         try:
-            metadata = read_metadata(path, committed=False)  # a DCP folder any tool wrote
+            metadata = read_metadata(
+                path, committed=False, key="checkpoint.initial_load_path"
+            )  # a DCP folder any tool wrote
+        except ConfigError:
+            raise  # object storage that cannot be asked
         except ValueError as e:
             raise ConfigError(
                 f"checkpoint.initial_load_path = {str(path)!r} is not a readable DCP checkpoint: {e}"

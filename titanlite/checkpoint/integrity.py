@@ -49,7 +49,7 @@ def seal(folder: Path, world: int, extra: list[str], timeout: float = 600.0) -> 
 def read_manifest(folder: Path) -> dict[str, list[int]] | None:
     """{file: [size, crc]} of a checkpoint, or None when it has no manifest (saved before checksums)."""
     path = folder / MANIFEST
-    if not path.is_file():
+    if not is_file(path):
         return None
     try:
         return json.loads(path.read_text())["files"]
@@ -66,4 +66,13 @@ def quick_problems(folder: Path) -> list[str]:
 def rank_problems(folder: Path, rank: int, world: int) -> list[str]:
     """This rank's share of the checks: sizes and checksums of every world-th file."""
     files = sorted((read_manifest(folder) or {}).items())
-    return [p for name, (size, crc) in files[rank::world] if (p := mismatch(folder / name, size, crc))]
+    return [p for name, (size, crc) in files[rank::world] if (p := _checked(folder, name, size, crc))]
+
+
+def _checked(folder: Path, name: str, size: int, recorded) -> str | None:
+    """mismatch(), with a file that cannot be asked about (an outage) a problem too: the ranks check in parallel and
+    gather their problems, so none may raise alone."""
+    try:
+        return mismatch(folder / name, size, recorded)
+    except Exception as e:
+        return f"{name} could not be checked ({type(e).__name__}: {str(e)[:200]})"

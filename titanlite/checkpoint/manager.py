@@ -231,8 +231,8 @@ class CheckpointManager:
         """
         if not self.enabled:
             return False
+        stop = self._agree_on_stop()  # first: a job that lost its lock must not commit a pending save either
         self._commit_if_done()
-        stop = self._agree_on_stop()
         if stop or last or step % self.cfg.interval == 0:
             if before_save is not None:
                 before_save()
@@ -377,11 +377,15 @@ class CheckpointManager:
         leaves it unused and, by checkpoint.on_save_error, is logged or stops this rank (CheckpointSaveError)."""
         if self.rank != 0:
             return
+        if LOCK_LOST.is_set():  # another job holds the folder now: its checkpoints are not this job's to touch
+            logger.error(f"checkpoint of step {step} is not committed: another job took over the lock on {self.folder}")
+            return
         try:
             self._seal(step, t0)
         except Exception as e:  # an I/O error or an object store that went away: the other ranks trained on
+            remove_tree(self._writing_folder(step))  # never resumed from either way; the next start finds less
             previous = self._newest_complete()
-            intact = f"{previous.path.name} is intact" if previous else "there is no earlier complete checkpoint"
+            intact = f"{previous.path.name} is intact" if previous else "no earlier complete checkpoint was found"
             message = (
                 f"checkpoint of step {step} could not be committed in {self.folder} "
                 f"({save_failure.first_line(e, self.folder)}); it is never resumed from; {intact}"

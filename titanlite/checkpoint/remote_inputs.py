@@ -90,7 +90,7 @@ def stage_remote_inputs(cfg: JobConfig) -> None:
         url = cfg.checkpoint.initial_load_path
         path = location(url, key)
         try:
-            dcp_folder = (path / ".metadata").is_file()
+            dcp_folder = is_file(path / ".metadata")
         except Exception as e:
             raise ConfigError(describe_failure(path, key, e)) from None
         if not dcp_folder or cfg.lora.enable:

@@ -30,7 +30,7 @@ from titanlite.checkpoint.lora_io import check_lora_resume
 from titanlite.config import JobConfig, load
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
-from titanlite.storage import is_remote
+from titanlite.storage import is_file, is_remote
 
 logger = logging.getLogger("titanlite")
 
@@ -72,7 +72,7 @@ def saved_model_args(path: Path) -> dict | None:
 def saved_job_config(path: Path) -> JobConfig | None:
     """The config of the run that saved a checkpoint (job_config.toml), if it has one and it still loads."""
     saved = path / "job_config.toml"
-    if not saved.is_file():
+    if not is_file(saved):
         return None
     try:
         if not is_remote(path):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from titanlite.errors import ConfigError
-from titanlite.storage import age, create_exclusive, describe_failure, is_remote, location, replace_text, touch
+from titanlite.storage import age, create_exclusive, describe_failure, is_remote, location, replace_text
 
 logger = logging.getLogger("titanlite")
 
@@ -119,11 +119,21 @@ def describe_holder(holder: dict) -> str:
     )
 
 
+def _mine(holder: dict | None) -> bool:
+    """Whether a lock was written by this very process."""
+    return holder is not None and (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid())
+
+
 def _other_job(holder: dict | None) -> bool:
-    """Whether a lock was written by another job (not this process, not an earlier attempt of this run)."""
-    if holder is None or holder.get("pid") == os.getpid():
+    """Whether a lock was written by another job: not this process, and not an earlier attempt of this run (its run
+    id, on another host: torchrun moved rank 0 there; on this host an earlier attempt's process is dead, and a live
+    one with the same run id is another job started with the same RDZV_ID)."""
+    if holder is None or _mine(holder):
         return False
-    return not (bool(_run_id()) and holder.get("run_id") == _run_id())
+    same_run = bool(_run_id()) and holder.get("run_id") == _run_id()
+    if same_run and holder.get("host") == socket.gethostname():
+        return pid_alive(int(holder.get("pid", 0)))
+    return not same_run
 
 
 def _in_use(folder: Path, holder: dict, key: str) -> ConfigError:
@@ -148,6 +158,7 @@ class FolderLock:
         self.folder, self.key = location(folder), key
         self.path = self.folder / LOCK_NAME
         self.held = False
+        self.text = ""  # what this job wrote into the lock
 
     def acquire(self) -> None:
         """Take the lock; ConfigError when a live job holds it or it cannot be taken; a stale lock is taken over
@@ -156,7 +167,9 @@ class FolderLock:
             self._acquire()
         except ConfigError:
             raise
-        except Exception as e:  # object storage that refuses or cannot be reached
+        except Exception as e:  # object storage that refuses or cannot be reached; a local folder that cannot be used
+            if not is_remote(self.folder):
+                raise ConfigError(f"{self.key} = {str(self.folder)!r}: its lock cannot be taken: {e}") from None
             raise ConfigError(describe_failure(self.folder, self.key, e)) from None
 
     def _acquire(self) -> None:
@@ -176,7 +189,7 @@ class FolderLock:
             "run_id": _run_id(),
             "started": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
         }
-        text = json.dumps(me)
+        text = self.text = json.dumps(me)
         if holder is not None:  # taken over from a job that is gone, or this run's own from an earlier attempt
             replace_text(self.path, text)
             time.sleep(
@@ -200,7 +213,7 @@ class FolderLock:
             return
         try:
             holder = read_lock(self.folder)
-            if _other_job(holder):
+            if holder is not None and not _mine(holder):
                 logger.error(
                     f"{self.key} = {str(self.folder)!r}: the lock was taken over by another job "
                     f"({describe_holder(holder)}) after {STALE_AFTER:.0f} s without a heartbeat of this one; this "
@@ -209,7 +222,10 @@ class FolderLock:
                 self.held = False
                 LOCK_LOST.set()
                 return
-            touch(self.path)
+            if is_remote(self.path):
+                replace_text(self.path, self.text)  # written whole again: its LastModified is the heartbeat
+            else:
+                os.utime(self.path)
         except Exception as e:  # a heartbeat must never end the job (a storage hiccup); the next one tries again
             logger.warning(f"The heartbeat of the lock on {self.key} = {str(self.folder)!r} failed: {e}")
 
