@@ -68,13 +68,21 @@ class S3:
         """Point this process (and the processes it starts) at the endpoint, up."""
         for key, value in self.env.items():
             monkeypatch.setenv(key, value)
-        self.down.unlink(missing_ok=True)
+        self.up()
         try:
             import s3fs
 
             s3fs.S3FileSystem.clear_instance_cache()  # no client of another endpoint or key is reused
         except ImportError:
             pass
+
+    def up(self) -> None:
+        """Bring the endpoint back and wait until it accepts connections (the relay's thread may be slow to listen
+        again while this process is busy)."""
+        from helpers import wait_for_endpoint
+
+        self.down.unlink(missing_ok=True)
+        wait_for_endpoint(self.env["AWS_ENDPOINT_URL"])
 
 
 @pytest.fixture(scope="session")

@@ -407,6 +407,20 @@ def moto_server(env: dict | None = None) -> tuple[subprocess.Popen, str]:
     return server, url
 
 
+def wait_for_endpoint(url: str, seconds: float = 30) -> None:
+    """Wait until the server at url (http://host:port) accepts connections."""
+    import socket
+
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
 def _die_with_parent() -> None:
     import ctypes
 

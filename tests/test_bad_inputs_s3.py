@@ -33,7 +33,7 @@ def test_endpoint_down_missing_bucket_dump_url(tmp_path, capsys, s3, monkeypatch
                    (f"checkpoint.folder = {down!r}", "the object store cannot be reached", "AWS_ENDPOINT_URL")),
               tmp_path / "a", capsys)  # fmt: skip
     finally:
-        s3.down.unlink()
+        s3.up()
     check(Case("s3-no-bucket", "filesystem", "train", _train("--checkpoint.folder", "s3://no-such-bucket/x"),
                ("checkpoint.folder = 's3://no-such-bucket/x'", "bucket 'no-such-bucket' does not exist")),
           tmp_path / "b", capsys)  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 
 import pytest
@@ -19,6 +20,7 @@ from helpers import (
     run_distributed,
     run_module,
     subprocess_env,
+    wait_for_endpoint,
 )
 
 pytestmark = pytest.mark.slow  # each test talks to a server process; most spawn ranks
@@ -97,6 +99,7 @@ def _one_rank(tmp, url, down_flag):
                 return call(step, *args, **kwargs)
             finally:
                 Path(down_flag).unlink(missing_ok=True)
+                wait_for_endpoint(os.environ["AWS_ENDPOINT_URL"])
 
         return wrapped
 

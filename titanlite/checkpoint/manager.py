@@ -375,6 +375,7 @@ class CheckpointManager:
     def _commit(self, step: int, t0: float) -> None:
         """Rank 0 seals the save of step N (run files, checksums, commit marker) and renames it to step-N; a failure
         leaves it unused and, by checkpoint.on_save_error, is logged or stops this rank (CheckpointSaveError)."""
+        self.saved_steps.add(step)  # on every rank: fault tolerance asks each whether a step is saved already
         if self.rank != 0:
             return
         if LOCK_LOST.is_set():  # another job holds the folder now: its checkpoints are not this job's to touch
@@ -427,7 +428,6 @@ class CheckpointManager:
         if final != tmp:
             os.rename(tmp, final)
             fsync_folder(self.folder)
-        self.saved_steps.add(step)
         logger.info(f"Saved checkpoint {final} ({time.perf_counter() - t0:.2f} s after the save began)")
 
 
