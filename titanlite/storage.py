@@ -82,9 +82,7 @@ def remove_tree(path) -> None:
         return
     try:
         path.fs.rm(path.path, recursive=True)
-    except (OSError, FileNotFoundError):
-        pass
-    except Exception:  # the endpoint went away: a later save or the next start sees what is left
+    except Exception:  # missing, or the endpoint went away: a later save or the next start sees what is left
         pass
 
 
@@ -118,26 +116,31 @@ def checksum(path) -> list:
     or crc32c/md5) from one metadata request, so nothing is downloaded again to check it."""
     if not is_remote(path):
         return [path.stat().st_size, _crc(path)]
-    info = path.fs.info(path.path)
+    return _digest(path.fs.info(path.path))
+
+
+def _digest(info: dict) -> list:
+    """[size, "etag:..."] from an object's metadata."""
     digest = info.get("crc32c") or info.get("md5Hash") or info.get("ETag") or info.get("etag") or ""  # content first
     return [int(info["size"]), f"etag:{str(digest).strip(chr(34))}" if digest else None]
 
 
 def mismatch(path, size: int, recorded) -> str | None:
     """What differs between a file and its manifest entry [size, checksum] (recorded None: the size only)."""
-    try:
-        actual = int(path.fs.info(path.path)["size"]) if is_remote(path) else path.stat().st_size
+    try:  # one metadata request per object in object storage: its size and its digest
+        now = _digest(path.fs.info(path.path)) if is_remote(path) else [path.stat().st_size, None]
     except FileNotFoundError:
         return f"{path.name} is missing"
+    actual = now[0]
     if actual != size:
         return f"{path.name} has {actual:,} bytes, not {size:,} (truncated?)"
     if recorded is None or (isinstance(recorded, str) and not is_remote(path)):  # a local copy: sizes only
         return None
     if isinstance(recorded, str):
-        now = checksum(path)[1]
-        if now != recorded and (now is None or "-" in now or "-" in recorded):
+        digest = now[1]
+        if digest != recorded and (digest is None or "-" in digest or "-" in recorded):
             return None  # a multipart upload's ETag depends on its part size: a copy by another tool is checked by size
-        same = now == recorded
+        same = digest == recorded
     else:
         same = _crc(path) == recorded
     return None if same else f"{path.name} does not match its checksum (corrupted or replaced)"

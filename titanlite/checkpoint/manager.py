@@ -333,8 +333,7 @@ class CheckpointManager:
         Called on every rank together; error is None on a rank whose own part succeeded.
         """
         tmp = self._writing_folder(step)
-        flags = [save_failure.is_disk_full(error) if error is not None else False, ""]
-        flags[1] = save_failure.first_line(error, self.folder)
+        flags = [error is not None and save_failure.is_disk_full(error), save_failure.first_line(error, self.folder)]
         everyone = [None] * self.world
         dist.all_gather_object(everyone, flags)  # the cause as the ranks that failed saw it
         partial = 0 if is_remote(tmp) else save_failure.bytes_in(tmp)
