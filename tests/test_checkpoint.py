@@ -299,3 +299,32 @@ def test_retention_crash_leftovers_and_bad_input(tmp_path):
     assert sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME) == ["step-6", "step-7"]
     # exclude_from_loading: only the model comes back; step, data position and schedule start fresh
     assert r["excluded_step"] == 0 and r["excluded_position"] == 0 and r["excluded_model_equal"]
+
+
+def test_optimizer_settings_reach_torch_load_so_fused_steps_stay_on_the_device(monkeypatch):
+    """Checkpoints keep each optimizer group's parameters only, but torch's load reads `fused` from the groups it is
+    given to keep each "step" on the parameter's device. Fused AdamW on a GPU with its step left on the host updates
+    differently, and a resume there was not exact: the run's settings must reach that load."""
+    from torch.optim import Optimizer
+
+    from titanlite.checkpoint.parts import OptimizerPart
+
+    model = torch.nn.Linear(16, 16)
+    first = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model(torch.randn(2, 16)).sum().backward()
+    first.step()
+    saved = OptimizerPart(model, first).state_dict()
+    assert all(set(group) == {"params"} for group in saved["param_groups"])
+    seen = []
+    load_value = Optimizer._process_value_according_to_param_policy
+
+    def recorded(param, value, param_id, param_groups, key=None):
+        if key == "step":
+            seen.append(all(group.get("fused") for group in param_groups))
+        return load_value(param, value, param_id, param_groups, key)
+
+    monkeypatch.setattr(Optimizer, "_process_value_according_to_param_policy", staticmethod(recorded))
+    second = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    OptimizerPart(model, second).load_state_dict(saved)
+    assert seen == [True, True]  # the weight's and the bias's steps
+    assert second.param_groups[0]["fused"] is True
