@@ -67,15 +67,14 @@ class OptimizerPart(Stateful):
         # DCP keeps one rank's param groups: under pipeline parallelism they name one stage's parameters, and the
         # other ranks' groups come back holding nothing but their parameters (no fused, foreach, initial_lr...).
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        # The settings go in before torch's load too: it reads `fused` and `capturable` to keep each "step" where
-        # the optimizer keeps it (on the GPU for fused AdamW, whose update differs with a step on the host).
+        # The run's settings win over the checkpoint's, before torch's load (which reads `fused` and `capturable`
+        # there to place each "step") and after it: a group that came back with parameters only gets the optimizer's
+        # defaults (fused None: a resumed GPU run would step with foreach, not fused, and not resume exactly).
         for saved, before in zip(state_dict.get("param_groups", []), settings):
-            for key, value in before.items():
-                saved.setdefault(key, value)
+            saved.update(before)
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
         for group, lr, before, hyper in zip(self.optimizer.param_groups, lrs, settings, self.hyper):
-            for key, value in before.items():
-                group.setdefault(key, value)
+            group.update(before)
             group.update(hyper, lr=lr)
 
 
