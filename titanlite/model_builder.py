@@ -66,8 +66,8 @@ def lora_base_dtype(cfg: JobConfig) -> torch.dtype:
 def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool = False) -> BuiltModel:
     """The model of `cfg` with shape `args` on the meta device, parallelised over `meshes` (None: not sharded).
 
-    Training applies tensor parallelism (a "tp" mesh dimension), [float8] linears (parallel/float8.py), [lora]
-    adapters (models/lora.py: the base frozen),
+    Training applies [float8] linears (parallel/float8.py), tensor parallelism (a "tp" mesh dimension: torchao's
+    float8 styles for tensorwise float8 linears), [lora] adapters (models/lora.py: the base frozen),
     expert parallelism (an MoE model's experts over the expert mesh's "ep" ranks), context parallelism,
     [activation_checkpoint], [compile] and FSDP with the configured reshard policy on the data-parallel sub-mesh (the
     experts on the expert mesh); inference applies tensor parallelism without sequence or loss parallelism, the
@@ -76,6 +76,10 @@ def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool 
     with torch.device("meta"):
         model = model_class(cfg.model.name)(args)
     dp_mesh, tp_mesh = (meshes.data_parallel, meshes.tp) if meshes is not None else (None, None)
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    float8 = 0
+    if cfg.float8.enable and not inference:  # before TP (its float8 styles), AC, compile and FSDP
+        float8 = apply_float8(model, cfg.float8, tp)
     if tp_mesh is not None:
         p = cfg.parallelism
         apply_tp(
@@ -85,10 +89,8 @@ def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool 
             sequence_parallel=p.enable_sequence_parallel and not inference,
             loss_parallel=p.enable_loss_parallel and not inference,
             inference=inference,
+            float8_tensorwise=bool(float8) and cfg.float8.recipe == "tensorwise",
         )
-    float8 = 0
-    if cfg.float8.enable and not inference:  # before AC, compile and FSDP, which then wrap the float8 linears
-        float8 = apply_float8(model, cfg.float8)
     if cfg.lora.enable:  # adapters follow the tensor-parallel split of their projections; the rest is frozen
         apply_lora(model, cfg.lora, base_dtype=None if inference else lora_base_dtype(cfg))
         if cfg.lora.base_dtype == "nf4" and not inference:  # QLoRA: FSDP then splits the 4-bit weights by rows
@@ -96,11 +98,11 @@ def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool 
     if args.moe:
         model.set_load_balance("none" if inference else cfg.moe.load_balance)
         if meshes is not None:
-            apply_ep(model, meshes.expert, tp=1 if tp_mesh is None else tp_mesh.size())
+            apply_ep(model, meshes.expert, tp=tp)
     if not inference:  # context parallelism: each rank computes its chunks of every sequence (generation: none)
         apply_cp(model, meshes)
     if not inference:
-        model.loss_chunk_tokens = chunked_loss_tokens(cfg, 1 if tp_mesh is None else tp_mesh.size())
+        model.loss_chunk_tokens = chunked_loss_tokens(cfg, tp)
     ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
     compiled = 0 if inference else apply_compile(model, cfg.compile)
     built = BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=0, float8=float8)

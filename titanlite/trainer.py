@@ -32,7 +32,7 @@ from titanlite.observe.profiling import Profiler
 from titanlite.observe.summary import degenerate_run_warnings, startup_lines, trained_adapters
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallel.ac import describe_ac_compile
-from titanlite.parallel.float8 import float8_after_step
+from titanlite.parallel.float8 import float8_scale_refresh
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
 from titanlite.parallel.ft import data_slice
 from titanlite.parallel.ft_diloco import outer_optimizer, replica_groups
@@ -99,7 +99,7 @@ class Trainer:
         self.balance = LoadBalance(self.model, cfg.moe, self.model_args, self.dims, self.global_batch_size)
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.after_optimizer_step = float8_after_step(self.model, cfg.float8)
+        self.refresh_float8_scales = float8_scale_refresh(self.model, cfg.float8)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
         self.tokens_seen = 0
@@ -227,12 +227,17 @@ class Trainer:
         committed = self.replicas.commit()
         if committed:
             self.optimizer.step()
-            if self.after_optimizer_step is not None:
-                self.after_optimizer_step()
+            self._refresh_float8_scales()
         self.optimizer.zero_grad(set_to_none=True)
         if committed:
             self.lr_scheduler.step()
         return StepOutput(loss_sum, global_tokens, grad_norm, moe, committed)
+
+    def _refresh_float8_scales(self, after_groups: bool = False) -> None:
+        """[float8] with float8 all-gathers: every float8 weight's scale from the weights as they are now (after an
+        optimizer step, a load, or a fault-tolerant heal or sync: after_groups, which is a no-op without groups)."""
+        if self.refresh_float8_scales is not None and (not after_groups or self.cfg.fault_tolerance.enable):
+            self.refresh_float8_scales()
 
     def _healed_to_the_end(self) -> bool:
         """DiLoCo: a sync took this group to the job's last step (it healed there, or made a last sync that a stop
@@ -268,9 +273,11 @@ class Trainer:
         self.metrics.start()
         self.hang.start()
         try:
+            self._refresh_float8_scales()  # from the weights as they start: fresh or loaded from a checkpoint
             while self.step < cfg.training.steps or self.replicas.sync_pending():
                 if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
                     break  # a stop signal came while it waited for a quorum: what was committed is saved
+                self._refresh_float8_scales(after_groups=True)
                 if self._healed_to_the_end():
                     break
                 data_state = self.dataloader.state_dict()
@@ -297,6 +304,7 @@ class Trainer:
                 trained = self.step
                 if self.replicas.end_step():  # DiLoCo: a round's end syncs the groups
                     break  # a stop signal came while it waited for a quorum: what was trained is saved
+                self._refresh_float8_scales(after_groups=True)
                 if self.step != trained:  # healed at that sync: a peer's step, weights and data position now
                     if self._healed_to_the_end():
                         break

@@ -25,6 +25,6 @@ class Float8:
     )
     fsdp_float8_all_gather: bool = setting(
         True,
-        "tensorwise only: FSDP all-gathers the weights in float8 (half bf16's bytes), their scales computed once "
-        "after each optimizer step",
+        "tensorwise only: FSDP all-gathers the weights in float8 (half bf16's bytes), their scales computed "
+        "whenever the weights change (optimizer step, load, heal)",
     )

@@ -276,15 +276,18 @@ class Transformer(nn.Module):
         block's (parallel/fsdp.py); none for a dense model."""
         return [m.experts for m in moe_layers(self)]
 
-    def float8_linears(self) -> set[str]:
+    def float8_linears(self, tp: int = 1) -> set[str]:
         """Qualified names of the projections float8 training may convert: each plain nn.Linear inside a block whose
-        sizes are multiples of 16 (the float8 matmul's need); never an MoE router (kept fp32), the embedding or
-        the output projection."""
-        routers = {id(m.router) for m in moe_layers(self)}
+        sizes, once split over `tp` tensor-parallel ranks, are multiples of 16 (the float8 matmul's need); never an MoE
+        router (kept fp32), the embedding or the output projection. Under tensor parallelism an MoE's shared experts
+        stay too: they are computed from their weights, not called (MoE._shared)."""
+        moes = moe_layers(self)
+        kept = {id(sub) for m in moes for sub in m.modules()} if tp > 1 else {id(m.router) for m in moes}
+        step = 16 * tp  # either side of a linear may be the one the tensor-parallel plan splits
         return {
             name
             for name, m in self.layers.named_modules(prefix="layers")
-            if type(m) is nn.Linear and id(m) not in routers and m.in_features % 16 == 0 and m.out_features % 16 == 0
+            if type(m) is nn.Linear and id(m) not in kept and m.in_features % step == 0 and m.out_features % step == 0
         }
 
     def shard_groups(self) -> list[list[nn.Module]]:

@@ -11,6 +11,11 @@ Qwen3's per-head q/k norms act on each rank's own heads; their weight is replica
 summed over the ranks (SequenceParallel over the head dimension). Qwen2's q/k/v biases are split with their
 rows, as gpt-oss's attention sinks are with their heads. The attention module's head counts become the local ones,
 which the KV cache reads.
+
+With [float8]'s tensorwise recipe the float8 linears take torchao's float8 styles (as TorchTitan): each input is cast
+to float8 under one scale for the whole tensor (a max over the tp ranks) before it is all-gathered, so the
+sequence-parallel all-gathers carry float8, and an attention's or FFN's input is cast once for its projections.
+The rowwise recipe keeps the plain styles (its all-gathers stay in bf16).
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ def _moe_plan(moe: MoE, tp_mesh: DeviceMesh, seq, split: bool) -> ParallelStyle:
     )
 
 
-def _latent_attention_plan(attention: LatentAttention, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+def _latent_attention_plan(attention: LatentAttention, tp_mesh: DeviceMesh, styles) -> dict[str, ParallelStyle]:
     """Multi-head latent attention under tensor parallelism: the per-head projections (q_b_proj or wq, kv_b_proj) are
     column-parallel, so each rank computes its heads; the latent projections and their norms are whole on every
     rank (plain modules on the whole sequence, which every rank holds), their gradients complete on each: the
@@ -111,14 +116,60 @@ def _latent_attention_plan(attention: LatentAttention, tp_mesh: DeviceMesh) -> d
     gradient summed over tp too (attention.tp_group)."""
     attention.tp_group = tp_mesh.get_group()
     q = "attention.q_b_proj" if hasattr(attention, "q_b_proj") else "attention.wq"
-    return {q: ColwiseParallel(), "attention.kv_b_proj": ColwiseParallel()}
+    return {q: styles.colwise(q), "attention.kv_b_proj": styles.colwise("attention.kv_b_proj")}
+
+
+class _LinearStyles:
+    """The styles of a block's projections: torchao's float8 ones for the float8 linears of a tensorwise run, the
+    plain ones otherwise."""
+
+    def __init__(self, block: nn.Module, float8_tensorwise: bool):
+        self.block = block
+        self.ao = None
+        if float8_tensorwise:  # torchao: only a run with [float8] gets here
+            from torchao.float8 import float8_tensor_parallel
+
+            self.ao = float8_tensor_parallel
+
+    def _float8(self, *names: str) -> bool:
+        return self.ao is not None and all(type(self.block.get_submodule(n)).__name__ == "Float8Linear" for n in names)
+
+    def colwise(self, name: str) -> ParallelStyle:
+        return self.ao.Float8ColwiseParallel() if self._float8(name) else ColwiseParallel()
+
+    def rowwise(self, name: str, output_layout) -> ParallelStyle:
+        if self._float8(name):
+            return self.ao.Float8RowwiseParallel(output_layouts=output_layout)
+        return RowwiseParallel(output_layouts=output_layout)
+
+    def gather_input(
+        self, projections: tuple[str, ...], n_inputs: int, use_local_output: bool = False
+    ) -> ParallelStyle:
+        """The whole sequence for a module whose first input is split over tp (sequence parallelism): cast to float8
+        before the all-gather when every projection that reads it is a float8 linear."""
+        layouts = dict(
+            input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
+            desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1),
+            use_local_output=use_local_output,
+        )
+        if not use_local_output and self._float8(*projections):
+            reader = projections[0].split(".", 1)[1]  # named from the module whose input this is
+            return self.ao.PrepareFloat8ModuleInput(**layouts, fwd_config_submodule_fqn=reader)
+        return PrepareModuleInput(**layouts)
 
 
 def parallelize_decoder(
-    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool, inference: bool = False
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    inference: bool = False,
+    float8_tensorwise: bool = False,
 ):
-    """Apply the plan to a decoder.Transformer in place (on the meta device, before activation checkpointing,
-    compile and FSDP). inference: generation's plan (an MoE computes every token on every tp rank)."""
+    """Apply the plan to a decoder.Transformer in place (on the meta device, after [float8]'s conversion, before
+    activation checkpointing, compile and FSDP). inference: generation's plan (an MoE computes every token on every
+    tp rank). float8_tensorwise: torchao's float8 styles for the float8 linears."""
     tp = tp_mesh.size()
     seq = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel if sequence_parallel else ReplicateParallel
@@ -133,37 +184,28 @@ def parallelize_decoder(
     )
     for block in model.layers:
         latent = isinstance(block.attention, LatentAttention)
-        plan = {"attention_norm": norm(), "ffn_norm": norm(), "attention.wo": RowwiseParallel(output_layouts=seq)}
+        styles = _LinearStyles(block, float8_tensorwise)
+        plan = {"attention_norm": norm(), "ffn_norm": norm(), "attention.wo": styles.rowwise("attention.wo", seq)}
+        qkv = ("attention.wq", "attention.wk", "attention.wv")
         if latent:
-            plan.update(_latent_attention_plan(block.attention, tp_mesh))
+            plan.update(_latent_attention_plan(block.attention, tp_mesh, styles))
         else:
-            plan.update(
-                {
-                    "attention.wq": ColwiseParallel(),
-                    "attention.wk": ColwiseParallel(),
-                    "attention.wv": ColwiseParallel(),
-                }
-            )
+            plan.update({name: styles.colwise(name) for name in qkv})
         if isinstance(block.feed_forward, MoE):
             plan["feed_forward"] = _moe_plan(block.feed_forward, tp_mesh, seq, split=not inference)
         else:
             plan.update(
                 {
-                    "feed_forward.w1": ColwiseParallel(),
-                    "feed_forward.w3": ColwiseParallel(),
-                    "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                    "feed_forward.w1": styles.colwise("feed_forward.w1"),
+                    "feed_forward.w3": styles.colwise("feed_forward.w3"),
+                    "feed_forward.w2": styles.rowwise("feed_forward.w2", seq),
                 }
             )
         if sequence_parallel:  # the whole sequence for attention (x, rope, mask, cache) and the FFN
-            plan["attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-                use_local_output=latent,  # its latent projections are plain modules (see _latent_attention_plan)
-            )
+            # a latent attention's latent projections are plain modules (see _latent_attention_plan): a local input
+            plan["attention"] = styles.gather_input(qkv, 4, use_local_output=latent)
             if not isinstance(block.feed_forward, MoE):
-                plan["feed_forward"] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
+                plan["feed_forward"] = styles.gather_input(("feed_forward.w1", "feed_forward.w3"), 1)
         if block.attention.q_norm is not None:  # over each rank's heads (dim 2 of (batch, seq, heads, head_dim))
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -2,4 +2,4 @@
 looped over by plan.py), its part of the mesh and how it is applied: the degrees and every mesh (dims), FSDP/HSDP
 with gradient sync (fsdp), tensor (tp), expert (ep), context (cp) and pipeline (pp) parallelism, fault-tolerant
 replica groups (ft, ft_groups), float8, activation checkpointing (ac) and compile. model_builder applies them in
-the order TP, float8, LoRA, EP, CP, AC, compile, (pipeline split), FSDP."""
+the order float8, TP, LoRA, EP, CP, AC, compile, (pipeline split), FSDP."""

@@ -2,7 +2,10 @@
 
 Weights keep their names and their dtype (float8 exists only inside each matmul), so checkpoints, exports and
 resumes are those of a bf16 run. With tensorwise scaling FSDP may all-gather the weights in float8; their scales are
-then computed once per optimizer step for all of them (`float8_after_step`).
+then computed for all of them at once (`float8_scale_refresh`) whenever the weights change (an optimizer step, a
+load, a fault-tolerant heal or sync), over every rank that holds a part of a weight: without it an FSDP all-gather
+scales by the amax of its data-parallel ranks' part only, which under tensor parallelism differs between tp ranks
+(and a resumed run's first step would differ from the run it resumes).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
 
@@ -22,16 +26,10 @@ def problem(cfg, dims, args=None, device_type: str | None = None, inference: boo
     skips the checks of this machine."""
     if not cfg.float8.enable or inference:
         return None
-    tp = dims.tp
     if cfg.lora.enable:
         return (
             "float8.enable = true with lora.enable = true is not supported (the adapters sit on the projections "
             "float8 would convert); set one of them to false"
-        )
-    if tp > 1:
-        return (
-            f"float8.enable = true with parallelism.tensor_parallel_degree = {tp} is not supported yet (float8 "
-            "needs its own tensor-parallel plan); use tensor_parallel_degree = 1 (FSDP/HSDP) or float8.enable = false"
         )
     if device_type is None:
         return None
@@ -58,23 +56,35 @@ def _float8_module():
     return importlib.import_module("torchao.float8")  # optional: imported only by a run that asks for float8
 
 
-def apply_float8(model: nn.Module, float8_cfg) -> int:
-    """Convert the linears `model.float8_linears()` names to torchao's Float8Linear with the configured recipe;
-    returns how many."""
+def apply_float8(model: nn.Module, float8_cfg, tp: int = 1) -> int:
+    """Convert the linears `model.float8_linears(tp)` names to torchao's Float8Linear with the configured recipe
+    (before tensor parallelism splits them over `tp` ranks); returns how many."""
     ao = _float8_module()
     if float8_cfg.recipe == "tensorwise":
         config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=float8_cfg.fsdp_float8_all_gather)
     else:
         config = ao.Float8LinearConfig.from_recipe_name(float8_cfg.recipe)
-    names = model.float8_linears()
+    names = model.float8_linears(tp)
     ao.convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in names)
     return len(names)
 
 
-def float8_after_step(model: nn.Module, float8_cfg) -> Callable[[], None] | None:
-    """What to run after each optimizer step: with float8 all-gathers, compute every float8 weight's scale in one
-    pass (torchao's precompute for FSDP); None when nothing is needed."""
+def float8_scale_refresh(model: nn.Module, float8_cfg) -> Callable[[], None] | None:
+    """What to run whenever the weights change, with float8 all-gathers: every float8 weight's scale from the weights
+    as they are then (torchao's precompute for FSDP, one pass per device mesh: under tensor parallelism a multi-head
+    latent attention's latent projections are sharded over the data-parallel ranks only); None when nothing is
+    needed."""
     if not (float8_cfg.enable and float8_cfg.recipe == "tensorwise" and float8_cfg.fsdp_float8_all_gather):
         return None
     precompute = _float8_module().precompute_float8_dynamic_scale_for_fsdp
-    return lambda: precompute(model)
+    by_mesh: dict = {}
+    for module in model.modules():
+        if type(module).__name__ == "Float8Linear" and isinstance(module.weight, DTensor):
+            by_mesh.setdefault(module.weight.device_mesh, []).append(module)
+    groups = [nn.ModuleList(modules) for modules in by_mesh.values()]  # in module order: the same on every rank
+
+    def refresh() -> None:
+        for group in groups:
+            precompute(group)
+
+    return refresh

@@ -71,10 +71,18 @@ def apply_tp(
     sequence_parallel: bool,
     loss_parallel: bool,
     inference: bool = False,
+    float8_tensorwise: bool = False,
 ):
-    """Tensor parallelism over tp_mesh by the family's plan (models/<family>/); call before AC, compile and FSDP."""
+    """Tensor parallelism over tp_mesh by the family's plan (models/<family>/); call after [float8]'s conversion and
+    before AC, compile and FSDP. float8_tensorwise: the float8 linears take torchao's float8 styles, which cast
+    activations to float8 before their all-gathers."""
     tp_plan(family)(
-        model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, inference=inference
+        model,
+        tp_mesh,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        inference=inference,
+        float8_tensorwise=float8_tensorwise,
     )
     # The split embedding returns a view; FSDP warns that an in-place op on it would skip its backward hook. The
     # decoder adds to the residual stream out of place, so the warning would only alarm.
