@@ -233,10 +233,10 @@ class Trainer:
             self.lr_scheduler.step()
         return StepOutput(loss_sum, global_tokens, grad_norm, moe, committed)
 
-    def _refresh_float8_scales(self, after_groups: bool = False) -> None:
-        """[float8] with float8 all-gathers: every float8 weight's scale from the weights as they are now (after an
-        optimizer step, a load, or a fault-tolerant heal or sync: after_groups, which is a no-op without groups)."""
-        if self.refresh_float8_scales is not None and (not after_groups or self.cfg.fault_tolerance.enable):
+    def _refresh_float8_scales(self, changed: bool = True) -> None:
+        """[float8] with float8 all-gathers: every float8 weight's scale from the weights as they are now, when they
+        changed (an optimizer step, a load, a fault-tolerant heal or DiLoCo sync)."""
+        if self.refresh_float8_scales is not None and changed:
             self.refresh_float8_scales()
 
     def _healed_to_the_end(self) -> bool:
@@ -275,9 +275,10 @@ class Trainer:
         try:
             self._refresh_float8_scales()  # from the weights as they start: fresh or loaded from a checkpoint
             while self.step < cfg.training.steps or self.replicas.sync_pending():
+                before_quorum = self.step
                 if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
                     break  # a stop signal came while it waited for a quorum: what was committed is saved
-                self._refresh_float8_scales(after_groups=True)
+                self._refresh_float8_scales(changed=self.step != before_quorum)  # healed: a live group's weights
                 if self._healed_to_the_end():
                     break
                 data_state = self.dataloader.state_dict()
@@ -304,7 +305,7 @@ class Trainer:
                 trained = self.step
                 if self.replicas.end_step():  # DiLoCo: a round's end syncs the groups
                     break  # a stop signal came while it waited for a quorum: what was trained is saved
-                self._refresh_float8_scales(after_groups=True)
+                self._refresh_float8_scales(changed=cfg.fault_tolerance.mode == "diloco" or self.step != trained)
                 if self.step != trained:  # healed at that sync: a peer's step, weights and data position now
                     if self._healed_to_the_end():
                         break
