@@ -1,6 +1,6 @@
 """[float8] with tensor parallelism: torchao's float8 styles (tensorwise) and the plain ones (rowwise) give one
-process's float8 losses at TP(2) and FSDP(2) x TP(2), for a Llama and a latent-attention (DeepSeek-V3) model, with
-their activations all-gathered in float8, and resume.
+process's float8 losses at TP(2) and FSDP(2) x TP(2), for Llama, Qwen3 (q/k norms) and DeepSeek-V3 (latent
+attention, MoE), with their activations all-gathered in float8, and resume.
 
 On the CPU (CI) the ranks use torch's CPU float8 matmul and gloo. gloo has no float8 dtype, so here its all-gathers
 carry the float8 bytes as uint8 (`_float8_over_gloo`); NCCL carries them as float8. titanlite still refuses [float8]
@@ -31,10 +31,14 @@ if TEST_DEVICE == "cuda":
 
 ROWWISE = ("--float8.recipe", "rowwise")
 MLA = ("--model.name", "deepseek_v3")  # latent attention: its latent projections stay whole under tp
+QK_NORM = ("--model.name", "qwen3")  # per-head q/k norms on the float8 projections' outputs
 NO_SP = ("--parallelism.enable_sequence_parallel", "false", "--parallelism.enable_loss_parallel", "false")
 SP = TEST_DEVICE != "cuda"  # (see the module's docstring)
 TP2 = ("--parallelism.tensor_parallel_degree", "2", *(() if SP else NO_SP))
-FIRST_RTOL = (2e-5, 1e-4)  # loss, gradient norm of the first step: the same weights, reductions in another order
+# The loss and gradient norm of the first step: the same weights, reductions in another order. A value that order
+# moves across an e4m3 rounding boundary moves by up to 1/16: Qwen3's debug model (logits large at init) moves its
+# first loss by 1.1e-4 for that, Llama's by 2e-6; the gradient norms by under 1e-5.
+FIRST_RTOL = (2e-4, 1e-4)
 # A TP(2) checkpoint's first step on one GPU: trained weights, other kernels for the unsplit shapes (its loss moved by
 # 2.8e-5 and 1.3e-4 in two H200 runs)
 RESUMED_FIRST_RTOL = FIRST_RTOL if TEST_DEVICE == "cpu" else (5e-4, 5e-4)
@@ -175,6 +179,7 @@ def test_float8_under_tp_matches_one_process_and_resumes(tmp_path, monkeypatch):
             ("rowwise", [*TP2, *ROWWISE]),
             ("tensorwise_no_sp", [*TP2, *NO_SP]),
             ("latent_attention", [*TP2, *MLA]),
+            ("qk_norm", [*TP2, *QK_NORM]),
         ],
         TEST_DEVICE,
     )[0]
@@ -194,6 +199,7 @@ def test_float8_under_tp_matches_one_process_and_resumes(tmp_path, monkeypatch):
             ("tensorwise", []),
             ("rowwise", [*ROWWISE]),
             ("latent_attention", [*MLA]),
+            ("qk_norm", [*QK_NORM]),
             ("one_resumed", [*ckpt]),
             ("plain", ["--float8.enable", "false", "--training.steps", "1"]),  # its first gradient
         ],
@@ -206,13 +212,13 @@ def test_float8_under_tp_matches_one_process_and_resumes(tmp_path, monkeypatch):
     for other in ("plain", "rowwise"):
         assert abs(first_norm[other] - first_norm["tensorwise"]) > 5 * FIRST_RTOL[1] * first_norm[other], first_norm
     for name, run in {**two, "fsdp_tensorwise": four["fsdp_tensorwise"]}.items():
-        ref = one[name if name in ("rowwise", "latent_attention") else "tensorwise"]
+        ref = one[name if name in ("rowwise", "latent_attention", "qk_norm") else "tensorwise"]
         if name == "latent_attention":  # its latent projections are float8 too, sharded on the dp ranks only (and
             # under tp an MoE's shared experts stay bf16)
             assert ref["float8"] > run["float8"] > run["split"] > 0, (name, run["float8"], run["split"])
             _assert_close(run, ref, name, first_rtol=(CURVE_RTOL, LATENT_NORM_RTOL))  # not the same float8 linears
             continue
-        assert run["float8"] == run["split"] == n, (name, run)  # every float8 linear split over tp
+        assert run["float8"] == run["split"] == ref["float8"] > 0, (name, run)  # every float8 linear split over tp
         _assert_close(run, ref, name)
     # tensorwise with sequence parallelism: the attention's and the FFN's inputs are all-gathered in float8, once
     # per block and microbatch each (and their gradients' all-gathers in backward); rowwise gathers bf16/fp32
