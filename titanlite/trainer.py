@@ -275,10 +275,9 @@ class Trainer:
         try:
             self._refresh_float8_scales()  # from the weights as they start: fresh or loaded from a checkpoint
             while self.step < cfg.training.steps or self.replicas.sync_pending():
-                before_quorum = self.step
                 if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
                     break  # a stop signal came while it waited for a quorum: what was committed is saved
-                self._refresh_float8_scales(changed=self.step != before_quorum)  # healed: a live group's weights
+                self._refresh_float8_scales(changed=self.replicas.moved_weights())  # healed, or a DiLoCo sync
                 if self._healed_to_the_end():
                     break
                 data_state = self.dataloader.state_dict()
@@ -305,7 +304,7 @@ class Trainer:
                 trained = self.step
                 if self.replicas.end_step():  # DiLoCo: a round's end syncs the groups
                     break  # a stop signal came while it waited for a quorum: what was trained is saved
-                self._refresh_float8_scales(changed=cfg.fault_tolerance.mode == "diloco" or self.step != trained)
+                self._refresh_float8_scales(changed=self.replicas.moved_weights())  # DiLoCo's outer step, a heal
                 if self.step != trained:  # healed at that sync: a peer's step, weights and data position now
                     if self._healed_to_the_end():
                         break

@@ -332,6 +332,10 @@ class NoReplicaGroups:
         """Whether a stop came while waiting for a quorum: never."""
         return False
 
+    def moved_weights(self) -> bool:
+        """Whether the last begin_step or end_step replaced the weights (a heal, a sync): never."""
+        return False
+
     def end_step(self) -> bool:
         """Whether a stop came while the groups synchronised after the step: never."""
         return False

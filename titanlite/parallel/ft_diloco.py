@@ -325,6 +325,7 @@ class DilocoGroups(ReplicaGroups):
                 for b, part in zip(self.averaged_buffers, mean.split([b.numel() for b in self.averaged_buffers])):
                     b.copy_(part.view_as(b))
         self.outer.outer_step(flats, contributors, step)
+        self._moved = True
         if self.env.rank == 0:
             logger.info(
                 f"DiLoCo: outer step after step {step}: the pseudo-gradients of {contributors} of "

@@ -59,6 +59,8 @@ class ReplicaGroups:
     moe_balance.LoadBalance), when it has one, sums the expert loads over the live groups too.
     """
 
+    _moved = False  # this group's weights were replaced (a heal; DiLoCo: an outer step) since last asked
+
     def __init__(self, cfg, trainer, env):
         ft = cfg.fault_tolerance
         self.cfg, self.ft, self.trainer, self.env = cfg, ft, trainer, env
@@ -173,7 +175,9 @@ class ReplicaGroups:
         while True:
             left = self.ft.quorum_timeout_seconds - (time.monotonic() - since)
             error = self._ask_quorum(max(1.0, min(quorum_request_seconds(self.ft), left)))
-            if not any_rank(error is not None)[0]:  # else a rank got no quorum as the others got one: ask again
+            failed, moved = any_rank(error is not None, self._moved)  # (a heal is applied by now)
+            if not failed:  # else a rank got no quorum as the others got one: ask again
+                self._moved = moved  # the group's ranks agree: float8 scales are recomputed on all of them or none
                 return False
             if self._wait_for_lighthouse(error or "another rank of this group got no quorum", since):
                 return True
@@ -422,3 +426,10 @@ class ReplicaGroups:
     def _load(self, state: dict) -> None:
         """Take a live peer's state (healing); refused, naming the keys, when its shared settings differ."""
         take_state(self.trainer, state, self.settings, self._healed)
+        self._moved = True
+
+    def moved_weights(self) -> bool:
+        """Whether this group's weights were replaced (a heal; DiLoCo: an outer step) since the last call; the same
+        on every rank of the group."""
+        moved, self._moved = self._moved, False
+        return moved
