@@ -230,8 +230,8 @@ def test_float8_under_tp_matches_one_process_and_resumes(tmp_path, monkeypatch):
 
 
 def test_float8_scales_follow_every_change_of_the_weights(tmp_path):
-    """The trainer computes the float8 weights' scales at the start (fresh or loaded weights), after each optimizer
-    step, and after a heal or a DiLoCo sync that replaced the weights, and at no other time."""
+    """The trainer computes the float8 weights' scales at the first forward (fresh or loaded weights), after each
+    optimizer step, and after a heal or a DiLoCo sync that replaced the weights, and at no other time."""
     from titanlite.parallel.ft import NoReplicaGroups
 
     class Moves(NoReplicaGroups):  # weights replaced at the quorum before step 2 and after step 3
@@ -246,5 +246,6 @@ def test_float8_scales_follow_every_change_of_the_weights(tmp_path):
     trainer.refresh_float8_scales = lambda: refreshes.append(trainer.step)
     trainer.replicas = Moves()
     trainer.train()
-    # the start; step 1; healed at the quorum after it; steps 2 and 3; synced after step 3; step 4
-    assert refreshes == [0, 1, 1, 2, 3, 3, 4]
+    # the first forward (step 1's, after FSDP's set-up); step 1's optimizer step; healed at the quorum after it;
+    # steps 2 and 3; synced after step 3; step 4
+    assert refreshes == [1, 1, 1, 2, 3, 3, 4]

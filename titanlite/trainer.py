@@ -32,7 +32,7 @@ from titanlite.observe.profiling import Profiler
 from titanlite.observe.summary import degenerate_run_warnings, startup_lines, trained_adapters
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallel.ac import describe_ac_compile
-from titanlite.parallel.float8 import float8_scale_refresh
+from titanlite.parallel.float8 import at_first_forward, float8_scale_refresh
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
 from titanlite.parallel.ft import data_slice
 from titanlite.parallel.ft_diloco import outer_optimizer, replica_groups
@@ -273,7 +273,8 @@ class Trainer:
         self.metrics.start()
         self.hang.start()
         try:
-            self._refresh_float8_scales()  # from the weights as they start: fresh or loaded from a checkpoint
+            if self.refresh_float8_scales is not None:  # from the weights as they start: fresh or loaded
+                at_first_forward(self.model, self.refresh_float8_scales)
             while self.step < cfg.training.steps or self.replicas.sync_pending():
                 if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
                     break  # a stop signal came while it waited for a quorum: what was committed is saved

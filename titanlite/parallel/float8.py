@@ -88,3 +88,15 @@ def float8_scale_refresh(model: nn.Module, float8_cfg) -> Callable[[], None] | N
             precompute(group)
 
     return refresh
+
+
+def at_first_forward(model: nn.Module, refresh: Callable[[], None]) -> None:
+    """Run `refresh` once, at the model's next forward, after FSDP's set-up of it: that set-up gives a shard shorter
+    than its peers a new local tensor, without the scale a refresh before it kept there (its rank alone would then
+    compute the scale itself, a collective the others skip)."""
+
+    def first_forward(module, args):
+        handle.remove()
+        refresh()
+
+    handle = model.register_forward_pre_hook(first_forward)  # after FSDP's own pre-forward, which comes first
