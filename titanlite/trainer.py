@@ -235,7 +235,7 @@ class Trainer:
 
     def _refresh_float8_scales(self, changed: bool = True) -> None:
         """[float8] with float8 all-gathers: every float8 weight's scale from the weights as they are now, when they
-        changed (an optimizer step, a load, a fault-tolerant heal or DiLoCo sync)."""
+        changed (an optimizer step, a fault-tolerant heal or DiLoCo sync; the start: at_first_forward)."""
         if self.refresh_float8_scales is not None and changed:
             self.refresh_float8_scales()
 

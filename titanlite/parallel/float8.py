@@ -2,10 +2,10 @@
 
 Weights keep their names and their dtype (float8 exists only inside each matmul), so checkpoints, exports and
 resumes are those of a bf16 run. With tensorwise scaling FSDP may all-gather the weights in float8; their scales are
-then computed for all of them at once (`float8_scale_refresh`) whenever the weights change (an optimizer step, a
-load, a fault-tolerant heal or sync), over every rank that holds a part of a weight: without it an FSDP all-gather
-scales by the amax of its data-parallel ranks' part only, which under tensor parallelism differs between tp ranks
-(and a resumed run's first step would differ from the run it resumes).
+then computed for all of them at once (`float8_scale_refresh`) whenever the weights change (the first forward, an
+optimizer step, a fault-tolerant heal or sync), over every rank that holds a part of a weight: without it an FSDP
+all-gather scales by the amax of its data-parallel ranks' part only, which under tensor parallelism differs between
+tp ranks (and a resumed run's first step would differ from the run it resumes).
 """
 
 from __future__ import annotations
