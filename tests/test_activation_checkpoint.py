@@ -128,7 +128,7 @@ def test_activation_estimate_matches_measured_peak_of_moe_blocks(dtype):
     _assert_estimate_close({name: _step(_args(**MOE), name, dtype, seq=256) for name in MODES})
 
 
-def test_checkpointed_blocks_and_config_checks(monkeypatch, tmp_path):
+def test_checkpointed_blocks_and_config_checks(tmp_path):
     assert checkpointed_blocks(6, _ac_cfg("selective2")) == [1, 3, 5]
     assert checkpointed_blocks(6, types.SimpleNamespace(mode="selective", selective_ac_option="3")) == [2, 5]
     with pytest.raises(ConfigError, match="activation_checkpoint.mode = 'some'.*none, full or selective"):
@@ -140,13 +140,15 @@ def test_checkpointed_blocks_and_config_checks(monkeypatch, tmp_path):
     # inductor on CPU without a C++ compiler: a clear message at start, not an error at the first step
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
-    problem = compile_problem(types.SimpleNamespace(enable=True, backend="inductor"), "cpu")
-    assert problem and "needs a C++ compiler" in problem and "aot_eager" in problem
     from titanlite.plan import validate_for_world
 
-    with pytest.raises(ConfigError, match="compile.enable = true .* needs a C\\+\\+ compiler"):
-        validate_for_world(load(tiny_argv(tmp_path, "--compile.enable")), 1, device_type="cpu")
+    # torch's own config patch(): pytest 9.2's monkeypatch undo deletes cpp.cxx instead of restoring it
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)}):
+        problem = compile_problem(types.SimpleNamespace(enable=True, backend="inductor"), "cpu")
+        assert problem and "needs a C++ compiler" in problem and "aot_eager" in problem
+        with pytest.raises(ConfigError, match="compile.enable = true .* needs a C\\+\\+ compiler"):
+            validate_for_world(load(tiny_argv(tmp_path, "--compile.enable")), 1, device_type="cpu")
+    assert inductor_config.cpp.cxx != ("/nonexistent/g++",)
     assert compile_problem(types.SimpleNamespace(enable=True, backend="aot_eager"), "cpu") is None
 
 

@@ -187,6 +187,17 @@ def test_readme_is_short_and_links_every_docs_page():
     assert not missing, f"README.md's Documentation list does not link {missing}"
 
 
+
+def test_ci_runs_the_readmes_two_commands_in_a_fresh_virtual_environment():
+    """CI is a newcomer: a new venv (pip resolves today's versions, not the machine's), then the README's two commands
+    as written, the main job first."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    setup, tests = (next(b.strip() for b in blocks if b.strip().endswith(end)) for end in ("./run_train.sh", " tests"))
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    venv = next(i for i, line in enumerate(ci) if "-m venv .venv" in line and ". .venv/bin/activate" in line)
+    assert "rm -rf .venv" in ci[venv]
+    assert ci[venv + 1 :] == [setup, tests]
+
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_relative_links_point_to_files_and_headings_that_exist(page):
     broken = []

@@ -457,11 +457,12 @@ def test_the_compiler_probe_reports_only_a_missing_compiler(monkeypatch):
 
     # CXX naming something that is not a compiler (inductor reads it into its config at import): its probe raises
     # OSError, a refusal naming CXX
+    # (torch's own config patch(): pytest 9.2's monkeypatch undo deletes the config entry instead of restoring it)
     monkeypatch.setenv("CXX", "/etc/hostname")
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/etc/hostname",))
     cpp_builder.cpp_compiler_search.cache_clear()
     try:
-        problem = compile_problem(SimpleNamespace(enable=True, backend="inductor"), "cpu")
+        with inductor_config.patch({"cpp.cxx": ("/etc/hostname",)}):
+            problem = compile_problem(SimpleNamespace(enable=True, backend="inductor"), "cpu")
     finally:
         monkeypatch.undo()
         cpp_builder.cpp_compiler_search.cache_clear()
