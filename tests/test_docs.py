@@ -187,7 +187,6 @@ def test_readme_is_short_and_links_every_docs_page():
     assert not missing, f"README.md's Documentation list does not link {missing}"
 
 
-
 def test_ci_runs_the_readmes_two_commands_in_a_fresh_virtual_environment():
     """CI is a newcomer: a new venv (pip resolves today's versions, not the machine's), then the README's two commands
     as written, the main job first."""
@@ -197,6 +196,7 @@ def test_ci_runs_the_readmes_two_commands_in_a_fresh_virtual_environment():
     venv = next(i for i, line in enumerate(ci) if "-m venv .venv" in line and ". .venv/bin/activate" in line)
     assert "rm -rf .venv" in ci[venv]
     assert ci[venv + 1 :] == [setup, tests]
+
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_relative_links_point_to_files_and_headings_that_exist(page):
