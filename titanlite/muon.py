@@ -38,10 +38,10 @@ def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
     return param.ndim == 3 or (param.ndim == 2 and name.endswith(".weight"))
 
 
-def orthogonalize(update: torch.Tensor, steps: int) -> torch.Tensor:
-    """Newton-Schulz's quintic iteration on each matrix (the last two dims), in bfloat16: x / |x|, then
-    x <- a x + (b x x^T + c (x x^T)^2) x, on the wide orientation."""
-    x = update.bfloat16()
+def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Newton-Schulz's quintic iteration on each matrix (the last two dims), in `dtype` (bfloat16 as torch.optim.Muon):
+    x / |x|, then x <- a x + (b x x^T + c (x x^T)^2) x, on the wide orientation."""
+    x = update.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -77,16 +77,18 @@ def _my_shard(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return replicated.redistribute(mesh, like.placements).to_local()
 
 
-def _orthogonalize_on_one_rank(whole: torch.Tensor, like: torch.Tensor, index: int, steps: int) -> torch.Tensor:
+def _orthogonalize_on_one_rank(
+    whole: torch.Tensor, like: torch.Tensor, index: int, steps: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Newton-Schulz of `whole` (the same on every rank of `like`'s mesh) on one rank of that mesh, chosen round-robin
     by `index`, and its result broadcast to the others: along each mesh dim in turn, from the rank that holds it."""
     mesh = like.device_mesh
     owner = [int(c) for c in torch.unravel_index(torch.tensor(index % mesh.size()), tuple(mesh.shape))]
     mine = list(mesh.get_coordinate())
     if mine == owner:
-        result = orthogonalize(whole, steps).contiguous()  # (sent as laid out)
+        result = orthogonalize(whole, steps, dtype).contiguous()  # (sent as laid out)
     else:
-        result = torch.empty(whole.shape, dtype=torch.bfloat16, device=whole.device)
+        result = torch.empty(whole.shape, dtype=dtype, device=whole.device)
     for d in range(mesh.ndim):  # after dim d, every rank that matches the owner on dims > d holds it
         if mine[d + 1 :] == owner[d + 1 :] and mesh.size(d) > 1:
             dist.broadcast(result, group=mesh.get_group(d), group_src=owner[d])
@@ -117,6 +119,7 @@ class MuonAdamW(torch.optim.Optimizer):
             self._share_with_adamw()  # (a load through another path, e.g. DCP's set_optimizer_state_dict)
         group = self.param_groups[0]
         lr, decay, mu = group["lr"], group["weight_decay"], group["momentum"]
+        steps, dtype = group["ns_steps"], getattr(torch, group.get("ns_dtype", "bfloat16"))
         for index, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -129,14 +132,14 @@ class MuonAdamW(torch.optim.Optimizer):
             weight, scale = _local(p), -lr * lr_scale(p.shape, group["adjust_lr"])
             weight.mul_(1 - lr * decay)
             if whole_experts_here(p):  # each expert is its own matrix, and this rank holds whole experts
-                weight.add_(orthogonalize(update, group["ns_steps"]).to(p.dtype), alpha=scale)
+                weight.add_(orthogonalize(update, steps, dtype).to(p.dtype), alpha=scale)
                 continue
             # Every rank of the matrix's mesh takes part in its gather (FSDP and TP give each rank a gradient).
             whole = _whole(_dtensor_like(p, update))
             if group["distribution"] == "one_rank" and isinstance(p, DTensor) and p.device_mesh.size() > 1:
-                whole = _orthogonalize_on_one_rank(whole, p, index, group["ns_steps"])
+                whole = _orthogonalize_on_one_rank(whole, p, index, steps, dtype)
             else:
-                whole = orthogonalize(whole, group["ns_steps"])
+                whole = orthogonalize(whole, steps, dtype)
             weight.add_(_my_shard(whole, p).to(p.dtype), alpha=scale)
         self.adamw.step()
         return None
@@ -175,6 +178,7 @@ def muon_hyperparameters(opt_cfg) -> dict:
         "momentum": opt_cfg.muon_momentum,
         "nesterov": opt_cfg.muon_nesterov,
         "ns_steps": opt_cfg.muon_ns_steps,
+        "ns_dtype": opt_cfg.muon_ns_dtype,
         "adjust_lr": opt_cfg.muon_adjust_lr,
         "distribution": opt_cfg.muon_newton_schulz,
     }

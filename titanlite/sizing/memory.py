@@ -205,9 +205,9 @@ def packed_weights(model, cfg, compute_bytes: int) -> Packed:
     return Packed(frozenset(id(w) for w in weights), bits, max((gathered_numel(w) for w in weights), default=0))
 
 
-def muon_step(model, one_rank: bool, ns_steps: int = 5) -> tuple[int, float]:
+def muon_step(model, one_rank: bool, ns_steps: int = 5, ns_bytes: int = 2) -> tuple[int, float]:
     """Muon (titanlite.muon), per rank and step: the bytes of the largest matrix's transients (its whole update in
-    fp32, three bf16 iterates and the Gram matrix and its square per matrix) and the Newton-Schulz FLOPs (ns_steps
+    fp32, three iterates and the Gram matrix and its square per matrix, ns_bytes each: 2 in bf16) and the Newton-Schulz FLOPs (ns_steps
     iterations of x x^T, its square and the product with x) of the matrices this rank orthogonalises: every one it
     holds a shard of, or with one_rank its share of them (round-robin over the ranks of each matrix's mesh); an
     experts stack sharded on its experts dim only counts this rank's experts."""
@@ -220,7 +220,7 @@ def muon_step(model, one_rank: bool, ns_steps: int = 5) -> tuple[int, float]:
         shape = (p.to_local() if whole_here and placements else p).shape
         n, count = shape.numel(), (shape[0] if p.ndim == 3 else 1)
         small, big = sorted(shape[-2:])
-        largest = max(largest, 10 * n + 4 * count * small * small)
+        largest = max(largest, 4 * n + ns_bytes * (3 * n + 2 * count * small * small))
         ranks = p.device_mesh.size() if one_rank and not whole_here and placements else 1
         flops += count * ns_steps * (4 * small * small * big + 2 * small**3) / ranks
     return largest, flops

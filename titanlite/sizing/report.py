@@ -185,7 +185,10 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
         sharded = plan.dims.fsdp_size > 1  # FSDP shards over the cp ranks too
         total_params = sum(p.numel() for p in built.model.parameters())
         setup_lines = describe(built.num_sharded, meshes.world, plan.dims, cfg.parallelism)
-        muon = me.muon_step(built.model, cfg.optimizer.muon_newton_schulz == "one_rank", cfg.optimizer.muon_ns_steps)
+        o = cfg.optimizer
+        muon = me.muon_step(
+            built.model, o.muon_newton_schulz == "one_rank", o.muon_ns_steps, dtype_bytes(o.muon_ns_dtype)
+        )
     finally:
         dist.destroy_process_group()
     t = cfg.training
