@@ -62,11 +62,27 @@ def test_a_hf_export_replaces_a_model_folder_whole_and_only_when_asked(step, tmp
     assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
     umask = os.umask(0)
     os.umask(umask)
-    assert _mode(out) == 0o777 & ~umask and _mode(out / "config.json") == 0o666 & ~umask
+    assert _mode(out) == 0o777 & ~umask
+    modes = {p.name: _mode(p) for p in out.iterdir()}  # the safetensors too (safetensors writes them 0600)
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), modes
     # an empty folder is simply filled
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _export(step, empty, "--format", "hf").returncode == 0
+
+
+def test_safetensors_files_get_the_umasks_permissions(tmp_path):
+    """The one writer of HF and peft safetensors files gives them the umask's permissions, as config.json gets."""
+    import torch
+
+    from titanlite.checkpoint.hf_folder import save_safetensors
+
+    old = os.umask(0o027)
+    try:
+        save_safetensors({"a": torch.zeros(2)}, tmp_path / "adapter_model.safetensors")
+    finally:
+        os.umask(old)
+    assert _mode(tmp_path / "adapter_model.safetensors") == 0o640
 
 
 def test_a_failed_export_leaves_no_partial_output_and_the_old_one_untouched(tmp_path):

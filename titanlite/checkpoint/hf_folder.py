@@ -4,6 +4,7 @@ headers), and the check that they are the tensors a model shape needs (no torch 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 from titanlite.errors import ConfigError
@@ -24,6 +25,15 @@ def safetensors_module():
         raise ConfigError(
             "reading or writing HuggingFace weights needs the safetensors package: pip install safetensors"
         ) from e
+
+
+def save_safetensors(tensors: dict, path: pathlib.Path) -> None:
+    """Write a safetensors file with the permissions the umask gives a new file, as config.json gets (safetensors
+    writes through a private temporary file: 0600)."""
+    safetensors_module().torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def read_index(folder: pathlib.Path) -> dict[str, str] | None:

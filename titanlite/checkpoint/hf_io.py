@@ -25,7 +25,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.export_target import shown
-from titanlite.checkpoint.hf_folder import INDEX, check_hf_weights, safetensors_module
+from titanlite.checkpoint.hf_folder import INDEX, check_hf_weights, safetensors_module, save_safetensors
 from titanlite.checkpoint.hf_fused_experts import fused_export_state, interleave, load_fused_experts
 from titanlite.checkpoint.nf4_loading import load_quantized, quantized_weights
 from titanlite.checkpoint.safe_reading import load_metadata
@@ -285,7 +285,7 @@ def export_hf(
 ) -> int:
     """Write a DCP checkpoint's model as a HF folder, one output file's tensors in memory at a time (one
     process); returns the number of tensors."""
-    st = safetensors_module()
+    safetensors_module()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = load_metadata(checkpoint).state_dict_metadata
@@ -349,7 +349,7 @@ def export_hf(
             heads = rope_heads(name, args)
             tensors[hf] = (interleaved_to_half_split(t, heads, args.rope_dim) if heads else t).contiguous()
         file_name = f"model-{index:05d}-of-{files:05d}.safetensors"
-        st.torch.save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        save_safetensors(tensors, out / file_name)
         for hf, t in tensors.items():
             weight_map[hf] = file_name
             total += t.numel() * t.element_size()

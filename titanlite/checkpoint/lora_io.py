@@ -16,6 +16,7 @@ from titanlite.checkpoint.base_identity import check_same_base
 from titanlite.checkpoint.base_identity import read as read_base
 from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import read_in_this_process
+from titanlite.checkpoint.hf_folder import save_safetensors
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.expert_lora import EXPERT_ROLES
@@ -335,11 +336,9 @@ def saved_adapters(step: Path, prefix: str, routing_bias: bool = False) -> dict[
 
 def write_peft(out: Path, adapters: dict[str, torch.Tensor], args: ModelArgs, lora_cfg, base: str, dtype=None) -> int:
     """Write a peft adapter folder; returns the number of tensors."""
-    from safetensors.torch import save_file
-
     tensors = to_peft({k: v.to(dtype) if dtype is not None else v for k, v in adapters.items()}, args)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, out / PEFT_WEIGHTS)
     roles = resolve_targets(list(lora_cfg.targets), args)
     config = peft_config(roles, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout, base, lora_cfg.use_rslora)
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
