@@ -25,6 +25,21 @@ def _write(name, text):
     return lambda tmp: (tmp / name).write_text(text)
 
 
+class _Payload:
+    """Unpickling this would call os.system (a hostile .pt's payload; harmless here: it is never run)."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("true",))
+
+
+def _hostile_pt(tmp):
+    import torch
+
+    torch.save({"tok_embeddings.weight": torch.zeros(2), "x": _Payload()}, tmp / "weights.pt")
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """A finished tiny run with checkpoints at steps 2 and 4."""
@@ -193,6 +208,14 @@ CHECKPOINTS = [
         train("--checkpoint.initial_load_path", "{tmp}/notes.txt"),
         ("checkpoint.initial_load_path", "notes.txt"),
         setup=_write("notes.txt", "not weights"),
+    ),
+    Case(
+        "initial-load-hostile-pickle",
+        "checkpoint",
+        "train",
+        train("--checkpoint.initial_load_path", "{tmp}/weights.pt"),
+        ("a pickled posix.system", "{tmp}/weights.pt", "refused without running it"),
+        setup=_hostile_pt,
     ),
     Case(
         "load-step-truncated",
@@ -518,3 +541,15 @@ def test_fault_tolerance_with_another_torchft(tmp_path, capsys, saved_run, monke
     case = Case("ft-torchft-0.3", "config", "train", train(*FT, "--fault_tolerance.lighthouse", "http://127.0.0.1:9"),
                 ("torchft 0.3.0 is installed", "0.2.x only", "pip install 'torchft>=0.2,<0.3'"))  # fmt: skip
     check(case, tmp_path, capsys)
+
+
+def test_a_hostile_pt_is_refused_in_one_line_naming_the_blocked_global(tmp_path):
+    """Not torch's six lines that advise weights_only=False."""
+    from titanlite.checkpoint.consolidated import load_consolidated
+    from titanlite.errors import ConfigError
+
+    _hostile_pt(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        load_consolidated(tmp_path / "weights.pt")
+    message = str(refused.value)
+    assert "a pickled posix.system" in message and "\n" not in message and "weights_only=False" not in message

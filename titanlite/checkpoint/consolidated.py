@@ -3,6 +3,7 @@ and check that saved weights fit a model (shapes and names) before anything is l
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titanlite.checkpoint.catalog import newest_usable, read_metadata, step_folders
 from titanlite.checkpoint.export_target import write_atomically
 from titanlite.checkpoint.integrity import rank_problems
-from titanlite.checkpoint.safe_reading import safe_dcp_load
+from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, blocked_global, safe_dcp_load
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
 from titanlite.models.hf_config import is_hf_folder
@@ -99,6 +100,11 @@ def load_consolidated(path: Path) -> dict[str, torch.Tensor]:
     """A consolidated state-dict file ({fqn: tensor}, or {"model": {...}}), memory-mapped."""
     try:
         sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"checkpoint.initial_load_path = {str(path)!r} holds {blocked_global(e)}, which is not a tensor or a plain "
+            "container: refused without running it (.pt files are read with torch.load(weights_only=True))"
+        ) from None
     except Exception as e:
         raise ConfigError(
             f"checkpoint.initial_load_path = {str(path)!r} is not a readable state-dict file ({type(e).__name__}: {e})"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -81,6 +82,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def blocked_global(error: pickle.UnpicklingError) -> str:
+    """What torch.load(weights_only=True) refused, in a few words ("a pickled posix.system"), without torch's advice to
+    load with weights_only=False."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return f"a pickled {found.group(1)}" if found else f"a pickled object ({str(error).splitlines()[0][:120]})"
+
+
 def load_metadata(path) -> dcp_metadata.Metadata:
     """The `.metadata` of a DCP folder (local or object storage), unpickled with the allow-list above."""
     file = location(path) / ".metadata"
@@ -133,8 +141,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsafeCheckpointError(
-                f"{self.source}: the saved item {read_item.dest_index.fqn!r} holds a pickled object outside the "
-                f"plain types titanlite saves: refused without running it ({str(e).splitlines()[0][:200]})"
+                f"{self.source}: the saved item {read_item.dest_index.fqn!r} holds {blocked_global(e)}, outside the "
+                "plain types titanlite saves: refused without running it"
             ) from None
         # What DefaultLoadPlanner.load_bytes does with the value it unpickles itself.
         if self.flatten_state_dict:
