@@ -86,6 +86,43 @@ def test_peft_export_equals_titanlite_and_merged_and_reads_back(tmp_path, family
         assert (model(x) - ours).abs().max() < 1e-5
 
 
+def test_peft_expert_adapter_reads_whatever_the_order_of_its_target_parameters(tmp_path):
+    """peft nests its two expert wrappers in the experts module's registration order (gate_up_proj inner) and writes
+    target_parameters in a set's order: down_proj first under some hash seeds. Such a folder, saved by peft itself,
+    reloads in peft and in titanlite with the same logits."""
+    import json
+
+    from titanlite.checkpoint.hf_io import save_hf_sharded
+    from titanlite.checkpoint.lora_io import load_peft_adapter
+    from titanlite.data.tokenizers import ByteTokenizer
+
+    cfg, model = _lora_model("qwen3_moe", *EXPERTS)
+    save_hf_sharded(model, tmp_path / "base", torch.float32, ByteTokenizer())
+    experts = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=cfg.lora.alpha, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             target_parameters=experts)  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    trained = peft.get_peft_model(hf, config)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(trained.named_parameters()):
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(i))
+    trained.save_pretrained(tmp_path / "peft")
+    saved = json.loads((tmp_path / "peft/adapter_config.json").read_text())
+    saved["target_parameters"] = experts  # as peft writes it under PYTHONHASHSEED=1, whatever this process's seed
+    (tmp_path / "peft/adapter_config.json").write_text(json.dumps(saved))
+
+    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = hf(x).logits
+        by_peft = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(x).logits
+        load_peft_adapter(model, tmp_path / "peft", cfg.lora)
+        ours = model(x)
+    assert (by_peft - base_logits).abs().max() > 1e-3  # the adapters matter
+    assert (ours - by_peft).abs().max() < 1e-5
+
+
 def test_adapters_start_as_the_base_and_only_they_train():
     from titanlite.models.lora import LoRALinear
 

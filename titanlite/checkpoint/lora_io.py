@@ -19,7 +19,7 @@ from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.hf_folder import save_safetensors
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
-from titanlite.models.expert_lora import EXPERT_ROLES
+from titanlite.models.expert_lora import EXPERT_ROLES, inner_expert_role
 from titanlite.models.hf_names import is_routing_bias
 from titanlite.models.lora import (
     ADAPTER_A,
@@ -161,8 +161,9 @@ EXPERT_PARAMETERS = {f"mlp.{r}": r for r in EXPERT_ROLES}  # peft's target_param
 
 
 def expert_order(folder: Path, config: dict) -> tuple[str, ...]:
-    """The expert roles of a peft adapter's target_parameters, in its order (which decides peft's key names);
-    ConfigError naming any other parameter."""
+    """The expert roles of a peft adapter's target_parameters (peft writes them in a set's order; its key names
+    follow the experts module's registration order instead: expert_lora.inner_expert_role); ConfigError naming any
+    other parameter."""
     params = config.get("target_parameters") or []
     if not isinstance(params, list) or (other := [p for p in params if p not in EXPERT_PARAMETERS]):
         shown = other[0] if isinstance(params, list) else params
@@ -219,8 +220,8 @@ def adapted_roles(folder: Path, config: dict, args: ModelArgs) -> list[str]:
         raise ConfigError(f"{where} cannot be read ({type(e).__name__}: {e})") from None
     modules, blocks = _module_roles(args), {}
     experts = expert_order(folder, config)
-    for j, role in enumerate(experts):  # peft nests its wrappers: the first parameter's is the inner one
-        inner = ".base_layer" if j == 0 and len(experts) > 1 else ""
+    for role in experts:  # peft nests its wrappers: the first parameter the experts module registers is the inner one
+        inner = ".base_layer" if role == inner_expert_role(experts) else ""
         modules.update({f"{PEFT_PREFIX}model.layers.{i}.mlp.experts{inner}": (i, role) for i in args.moe_layers})
     for key in keys:
         module, _, leaf = key.replace(".default.", ".").rpartition(".lora_")

@@ -5,8 +5,9 @@ low-rank factors A [experts, in, r] and B [experts, r, out] and computed with th
 split by expert parallelism with the experts and never by tensor parallelism (the experts are not).
 
 peft's layout of an expert adapter (its ParamWrapper): lora_A.weight [r * experts, in] (expert-major rows) and
-lora_B.weight [out, r * experts] (rank-major columns); the wrapper of the parameter listed first in target_parameters
-is the inner one, its keys under `experts.base_layer.`.
+lora_B.weight [out, r * experts] (rank-major columns). peft nests the two wrappers in the order the experts module
+registers its parameters (gate_up_proj, then down_proj, in every family), whatever the order of target_parameters
+(which it writes in a set's order): gate_up_proj's wrapper is the inner one, its keys under `experts.base_layer.`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# titanlite's role -> (the expert stacks it adapts, gate then up: their outputs side by side)
+# titanlite's role -> (the expert stacks it adapts, gate then up: their outputs side by side); in the order
+# transformers' fused experts register their parameters (which decides peft's nesting)
 EXPERT_ROLES = {"experts.gate_up_proj": ("w1", "w3"), "experts.down_proj": ("w2",)}
 
 
@@ -57,12 +59,18 @@ def is_expert_adapter(name: str) -> bool:
 
 
 def expert_peft_key(name: str, roles: list[str]) -> str:
-    """An expert adapter's key in peft's adapter_model.safetensors (roles: the expert roles adapted, in the order
-    written to target_parameters)."""
+    """An expert adapter's key in peft's adapter_model.safetensors (roles: the expert roles adapted, in any order)."""
     layer = name.split(".")[1]
     role = next(r for r in EXPERT_ROLES if f".feed_forward.{r}." in name)
-    inner = "base_layer." if len(roles) > 1 and role == roles[0] else ""
+    inner = "base_layer." if role == inner_expert_role(roles) else ""
     return f"base_model.model.model.layers.{layer}.mlp.experts.{inner}lora_{'A' if '.lora_a.' in name else 'B'}.weight"
+
+
+def inner_expert_role(roles) -> str | None:
+    """Of the expert roles adapted, the one whose peft wrapper is nested inside the other's (the first the experts
+    module registers); None when one role or none is adapted."""
+    adapted = [r for r in EXPERT_ROLES if r in roles]
+    return adapted[0] if len(adapted) > 1 else None
 
 
 def expert_to_peft(t: torch.Tensor, is_a: bool, interleaved: bool = False) -> torch.Tensor:

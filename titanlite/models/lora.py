@@ -229,8 +229,7 @@ PEFT_PREFIX = "base_model.model."  # peft's wrapper of a transformers model, as 
 
 
 def to_peft_name(name: str, args: ModelArgs, experts: tuple[str, ...] = tuple(EXPERT_ROLES)) -> str:
-    """An adapter parameter's key in a peft adapter_model.safetensors (experts: the expert roles adapted, in the
-    order of peft's target_parameters)."""
+    """An adapter parameter's key in a peft adapter_model.safetensors (experts: the expert roles adapted)."""
     if is_expert_adapter(name):
         return expert_peft_key(name, list(experts))
     module = to_hf_name(base_weight_name(name), args).removesuffix(".weight")
@@ -251,7 +250,7 @@ def _interleaved(name: str, args: ModelArgs) -> bool:
 
 
 def adapted_expert_roles(names) -> tuple[str, ...]:
-    """The expert roles among these adapter names, in peft's target_parameters order (EXPERT_ROLES')."""
+    """The expert roles among these adapter names, in EXPERT_ROLES' order."""
     return tuple(r for r in EXPERT_ROLES if any(f".feed_forward.{r}." in n for n in names))
 
 
@@ -274,9 +273,9 @@ def to_peft(adapters: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 def from_peft(
     tensors: dict[str, torch.Tensor], names: list[str], args: ModelArgs, experts: tuple[str, ...] | None = None
 ) -> dict[str, torch.Tensor]:
-    """peft's adapter tensors -> full tensors under the model's adapter names `names` (experts: the expert roles in
-    the order of the file's target_parameters; None: EXPERT_ROLES'); ValueError naming the first adapter the file
-    lacks or the first tensor the model has no adapter for."""
+    """peft's adapter tensors -> full tensors under the model's adapter names `names` (experts: the expert roles the
+    file adapts; None: those of `names`); ValueError naming the first adapter the file lacks or the first tensor the
+    model has no adapter for."""
     experts = adapted_expert_roles(names) if experts is None else experts
     by_peft = {to_peft_name(n, args, experts): n for n in names}
     keys = {k.replace(".default.", ".") for k in tensors}  # a file saved with the adapter's name left in
