@@ -88,6 +88,23 @@ def test_generate_on_a_hf_base_reads_the_peft_folder_or_refuses(lora_run, capsys
     assert code == 2 and f"lora.initial_adapter_path = '{tmp / 'nothere'}' does not exist" in err, err
 
 
+def test_the_merged_export_says_how_many_tensors_its_folder_holds(lora_run, tmp_path, capsys):
+    from safetensors import safe_open
+
+    from titanlite.cli.checkpoint import main as export
+
+    _, _, step = lora_run
+    out = tmp_path / "merged"
+    capsys.readouterr()
+    assert export(["export", "--checkpoint", str(step), "--format", "hf", "--output", str(out)]) == 0
+    held = 0
+    for file in out.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            held += len(list(f.keys()))
+    assert held == 21  # 2 blocks of 9, the embedding, the final norm and the output projection
+    assert f"HuggingFace folder, {held} tensors" in capsys.readouterr().out
+
+
 def test_a_lora_resume_with_another_alpha_is_refused(lora_run, tmp_path, capsys):
     from titanlite.cli.train import main
 

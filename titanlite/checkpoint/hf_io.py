@@ -226,8 +226,9 @@ def save_hf_sharded(
     dtype: torch.dtype,
     tokenizer,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-) -> None:
-    """Write the model as a HF folder from every rank of the job (call on all ranks)."""
+) -> int:
+    """Write the model as a HF folder from every rank of the job (call on all ranks); returns the number of tensors
+    the folder holds."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter  # needs safetensors: checked below
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -271,6 +272,7 @@ def save_hf_sharded(
         write_metadata(out, args, str(dtype).removeprefix("torch."), tokenizer)
     if dist.is_initialized():
         dist.barrier()
+    return len(mapping)
 
 
 @torch.no_grad()

@@ -90,7 +90,7 @@ def export_peft(step: Path, output: Path, dtype: torch.dtype | None) -> int:
 @torch.no_grad()
 def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_bytes: int, build_model) -> int:
     """Write base + a LoRA checkpoint's adapters merged (W + alpha/r B A) as a HF folder; holds the whole model in
-    memory (in float32); returns the number of adapted projections. build_model(cfg, args): the run's model with
+    memory (in float32); returns the number of tensors written. build_model(cfg, args): the run's model with
     its adapters, unsharded, on the meta device (the model builder's, which checkpoint/ does not import)."""
     base = lora_base_of(step)
     cfg, args = _run_of(step)
@@ -109,5 +109,4 @@ def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_
         )
     merge_adapters(model)
     out_dtype = dtype or next(v for k, v in adapters.items() if not is_routing_bias(k)).dtype
-    save_hf_sharded(model, output, out_dtype, build_tokenizer(cfg.model.tokenizer_path), max_file_bytes)
-    return sum(not is_routing_bias(k) for k in adapters) // 2
+    return save_hf_sharded(model, output, out_dtype, build_tokenizer(cfg.model.tokenizer_path), max_file_bytes)
