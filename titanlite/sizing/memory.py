@@ -1,7 +1,7 @@
 """Per-rank memory of one training step, from the model shape and the sharding plan (no GPU needed).
 
 Activations (a = bytes of the compute dtype, per token of a microbatch of B x S tokens): what one block
-keeps for backward comes from the model's arguments (ModelArgs.block_activation_bytes: F without
+keeps for backward comes from the model's arguments (sizing/activations.py: F without
 AC, C with full AC, O with selective 'op'), checked against torch's MemTracker on CPU in
 tests/test_activation_checkpoint.py; around the blocks:
 
@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from titanlite.models.nf4 import quantized_linears
 from titanlite.muon import is_muon_matrix, whole_experts_here
+from titanlite.sizing.activations import block_activation_bytes, exchange_bytes, expert_activation_bytes
 
 # Adam and AdamW keep two fp32-shaped states per parameter (exp_avg, exp_avg_sq).
 # Under expert parallelism the busiest rank is taken to receive this many times the average routed tokens (headroom,
@@ -106,7 +107,7 @@ def activation_bytes(
     stream's tokens; with loss parallelism 1 / tp of the logits). ep: an MoE's expert parallelism, which adds the
     token exchange of one block beside its recompute, and headroom for routing imbalance: the busiest rank is taken to
     receive EP_IMBALANCE times the average tokens for the experts' kept activations. frozen_norms: the norms'
-    weights get no gradients (a LoRA base), so they keep less (ModelArgs.block_activation_bytes). cp: context
+    weights get no gradients (a LoRA base), so they keep less (activations.block_activation_bytes). cp: context
     parallelism, `tokens` being this rank's part of the sequences; attention keeps the gathered keys and values.
     """
     sp = tp > 1 and sequence_parallel
@@ -149,12 +150,12 @@ def block_bytes(
     the token exchange, and the experts' share grows by EP_IMBALANCE)."""
     kept, rebuilt = [], []
     for i in range(args.n_layers):
-        per_block = dict(args.block_activation_bytes(act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms, cp, i))
+        per_block = dict(block_activation_bytes(args, act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms, cp, i))
         transient = 0.0
         if args.is_moe_layer(i) and ep > 1:
-            for mode, experts in args.expert_activation_bytes(act_bytes, tp).items():
+            for mode, experts in expert_activation_bytes(args, act_bytes, tp).items():
                 per_block[mode] += experts * (EP_IMBALANCE - 1)
-            transient = args.exchange_bytes(act_bytes, tp)
+            transient = exchange_bytes(args, act_bytes, tp)
         if args.attention_sinks:  # attention's backward holds the gradients of its 8-features-wider q, k, v, output
             transient += 2 * (args.n_heads + args.kv_heads) // tp * (args.head_dim + 8) * act_bytes
         op = per_block["op_every_second" if op_policy == "every_second_matmul" else "op"]
@@ -207,10 +208,10 @@ def packed_weights(model, cfg, compute_bytes: int) -> Packed:
 
 def muon_step(model, one_rank: bool, ns_steps: int = 5, ns_bytes: int = 2) -> tuple[int, float]:
     """Muon (titanlite.muon), per rank and step: the bytes of the largest matrix's transients (its whole update in
-    fp32, three iterates and the Gram matrix and its square per matrix, ns_bytes each: 2 in bf16) and the Newton-Schulz FLOPs (ns_steps
-    iterations of x x^T, its square and the product with x) of the matrices this rank orthogonalises: every one it
-    holds a shard of, or with one_rank its share of them (round-robin over the ranks of each matrix's mesh); an
-    experts stack sharded on its experts dim only counts this rank's experts."""
+    fp32, three iterates and the Gram matrix and its square per matrix, ns_bytes each: 2 in bf16) and the
+    Newton-Schulz FLOPs (ns_steps iterations of x x^T, its square and the product with x) of the matrices this rank
+    orthogonalises: every one it holds a shard of, or with one_rank its share of them (round-robin over the ranks of
+    each matrix's mesh); an experts stack sharded on its experts dim only counts this rank's experts."""
     largest, flops = 0, 0.0
     for name, p in model.named_parameters():
         if not (p.requires_grad and is_muon_matrix(name, p)):
