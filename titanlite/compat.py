@@ -240,3 +240,15 @@ def set_exit_barrier_timeout(seconds: float) -> None:
             super().__init__(*args, **kwargs)
 
     launcher_api.LocalElasticAgent = _Agent
+
+
+def forget_failed_quorum(manager) -> None:
+    """Let a torchft Manager ask for a new quorum after one failed: torchft 0.2 keeps the failed request (its private
+    _quorum_future) and raises its error again at every later start_quorum."""
+    manager._quorum_future = None
+
+
+def quorum_id(manager) -> int | None:
+    """The id of a torchft Manager's current quorum (its private _quorum_id), the same for every group of a quorum;
+    None before the first."""
+    return getattr(manager, "_quorum_id", None)

@@ -297,7 +297,7 @@ def problem(cfg, dims, args=None, device_type: str | None = None, inference: boo
     return lighthouse_problem(ft)
 
 
-TESTED_TORCHFT = "0.2"  # titanlite reads the Manager's private _quorum_future and _quorum_id, which 0.3 reworked
+TESTED_TORCHFT = "0.2"  # compat.py reads the Manager's private _quorum_future and _quorum_id, which 0.3 reworked
 
 
 def torchft_version_problem(installed: str | None = None) -> str | None:

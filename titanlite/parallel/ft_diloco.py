@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titanlite.compat import quorum_id
 from titanlite.parallel.ft import TOKENS, NoReplicaGroups, weights_fingerprint
 from titanlite.parallel.ft_groups import ReplicaGroups
 from titanlite.parallel.ft_heal import local
@@ -301,7 +302,7 @@ class DilocoGroups(ReplicaGroups):
             self.skipped_sequences += absent * rounds * trainer.global_batch_size // self.ft.group_count
             self._apply(flats, contributors)
         self.synced, self.round_began = True, time.monotonic()
-        self.quorum_seen = getattr(self.manager, "_quorum_id", None)  # compared at this sync: not hashed again
+        self.quorum_seen = quorum_id(self.manager)  # compared at this sync: not hashed again
         self._after_quorum()
         return False
 

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titanlite.compat import forget_failed_quorum, quorum_id
 from titanlite.errors import ConfigError, ReplicaGroupsError
 from titanlite.parallel.ft import (
     ID_SLOTS,
@@ -189,8 +190,7 @@ class ReplicaGroups:
         except ConfigError:
             raise  # a healing group whose settings differ from its peer's
         except Exception as e:  # torchft raises TimeoutError or RuntimeError
-            # torchft 0.2.0 keeps the failed quorum and raises its error again at every later start_quorum
-            self.manager._quorum_future = None
+            forget_failed_quorum(self.manager)
             return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         return None
 
@@ -271,7 +271,7 @@ class ReplicaGroups:
     def _after_quorum(self) -> None:
         """After a quorum change: compare the weights at this step (a group that joins must hold the live ones'), and
         say so when this group trains on alone after its peers left at the job's last step."""
-        self.quorum_now = getattr(self.manager, "_quorum_id", None)  # the same for every group of a quorum
+        self.quorum_now = quorum_id(self.manager)  # the same for every group of a quorum
         self.weights = 0
         if self.quorum_now is None or self.quorum_now != self.quorum_seen:  # seen: set once a check went through
             self.weights = 1 + weights_fingerprint(local(v) for v in self.trainer.model.state_dict().values())
