@@ -30,7 +30,6 @@ from titanlite.data.store_build import (
     cache_root,
     describe_skips,
     finalize,
-    merge_skips,
     new_build_dir,
     store_key,
     store_path,
@@ -132,24 +131,12 @@ def _build(args, spec, tokenizer, encoder, table, build_dir, final, key) -> Toke
             stats = [r.get() for r in results]
     progress.close()
     seconds = time.perf_counter() - t0
-    source = {
-        "skipped": merge_skips(stats),
-        "dataset": spec.name,
-        "split": spec.split,
-        "text_field": spec.text_field,
-        "key": spec.key,
-        "config_name": spec.config_name,
-        "tokenizer": tokenizer.identity,
-        "tokenizer_path": str(getattr(tokenizer, "path", "")),
-        "encoding": encoder.identity,
-    }
-    store = finalize(
-        build_dir, final, workers, key, source, token_dtype(tokenizer.vocab_size), encoder.has_mask, seconds
-    )
+    store = finalize(build_dir, final, key, spec, encoder, stats, seconds)
     tokens = sum(s["tokens"] for s in stats)
-    if source["skipped"]:
+    if store.info.source["skipped"]:
         skipped = sum(s["skipped"] for s in stats)
-        logger.warning(f"Skipped {skipped:,} records of --dataset {spec.name!r}: {describe_skips(source['skipped'])}")
+        why = describe_skips(store.info.source["skipped"])
+        logger.warning(f"Skipped {skipped:,} records of --dataset {spec.name!r}: {why}")
     print(
         f"wrote token store {final}: {store.num_documents:,} documents, {tokens:,} tokens in {seconds:.1f} s "
         f"({tokens / seconds:,.0f} tokens/s, {tokens / seconds / workers:,.0f} per worker, {workers} worker(s))"

@@ -340,20 +340,7 @@ def _tokenize(spec, encoder, final, key, build_dir, rank, world, group) -> None:
         all_stats = [stats]
     if rank == 0:
         seconds = time.perf_counter() - t0
-        source = {
-            "skipped": merge_skips(all_stats),
-            "dataset": spec.name,
-            "split": spec.split,
-            "text_field": spec.text_field,
-            "key": spec.key,
-            "config_name": spec.config_name,
-            "tokenizer": encoder.tokenizer.identity,
-            "tokenizer_path": str(getattr(encoder.tokenizer, "path", "")),
-            "encoding": encoder.identity,
-        }
-        finalize(
-            build_dir, final, world, key, source, token_dtype(encoder.tokenizer.vocab_size), encoder.has_mask, seconds
-        )
+        finalize(build_dir, final, key, spec, encoder, all_stats, seconds)
         tokens = sum(s["tokens"] for s in all_stats)
         skipped = sum(s["skipped"] for s in all_stats)
         if skipped:

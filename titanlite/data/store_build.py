@@ -32,6 +32,7 @@ from titanlite.data.store import (
     TokenStore,
     part_names,
     sha256_file,
+    token_dtype,
     write_manifest,
 )
 from titanlite.errors import ConfigError
@@ -159,17 +160,29 @@ def describe_skips(skips: dict[str, list[int]]) -> str:
     return "; ".join(f"{n:,} record(s) with {reason} (first: record {first})" for reason, (n, first) in skips.items())
 
 
+def store_source(spec, encoder, stats: list[dict]) -> dict:
+    """The manifest's record of what a store was built from: the dataset (spec, a DatasetSpec), the tokenizer and
+    encoding (encoder), and the records each worker's part skipped (stats)."""
+    return {
+        "skipped": merge_skips(stats),
+        "dataset": spec.name,
+        "split": spec.split,
+        "text_field": spec.text_field,
+        "key": spec.key,
+        "config_name": spec.config_name,
+        "tokenizer": encoder.tokenizer.identity,
+        "tokenizer_path": str(getattr(encoder.tokenizer, "path", "")),
+        "encoding": encoder.identity,
+    }
+
+
 def finalize(
-    build_dir: pathlib.Path,
-    final: pathlib.Path,
-    workers: int,
-    key: str,
-    source: dict,
-    dtype: np.dtype,
-    has_mask: bool,
-    seconds: float,
+    build_dir: pathlib.Path, final: pathlib.Path, key: str, spec, encoder, stats: list[dict], seconds: float
 ) -> TokenStore:
-    """Write offsets and manifest from the parts, then rename the build folder to `final` (first worker only)."""
+    """Write offsets and manifest from the parts (stats: build_part's result per worker, in order), then rename the
+    build folder to `final` (first worker only)."""
+    workers, source, has_mask = len(stats), store_source(spec, encoder, stats), encoder.has_mask
+    dtype = token_dtype(encoder.tokenizer.vocab_size)
     lengths = [np.load(build_dir / f"lengths-{w:05d}.npy") for w in range(workers)]
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     if len(all_lengths) == 0:
