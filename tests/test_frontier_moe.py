@@ -73,6 +73,9 @@ CASES = {
     "deepseek_v3": ("deepseek_v3", {}),
     "deepseek_v3_q_lora_rank_null": ("deepseek_v3", {"q_lora_rank": None}),
     "deepseek_v3_yarn_mscale": ("deepseek_v3", {"rope_parameters": YARN}),
+    # 0 is transformers' "not set": no softmax scaling (mscale_all_dim), attention_factor from factor alone (mscale)
+    "deepseek_v3_yarn_mscale_all_dim_0": ("deepseek_v3", {"rope_parameters": YARN | {"mscale_all_dim": 0}}),
+    "deepseek_v3_yarn_mscale_0": ("deepseek_v3", {"rope_parameters": YARN | {"mscale": 0}}),
     "glm4_moe": ("glm4_moe", {}),
     "glm4_moe_air_no_qk_norm": ("glm4_moe", {"use_qk_norm": False}),
     "qwen3_moe_mlp_only_layers": ("qwen3_moe", {"mlp_only_layers": [0, 2]}),

@@ -21,6 +21,10 @@ def is_positive_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
+def is_number_at_least_0(v) -> bool:
+    return is_positive_number(v) or (type(v) in (int, float) and v == 0)
+
+
 def bad(file: str, key: str, value, expected: str) -> ConfigError:
     """The ConfigError of a field whose value is not valid."""
     shown = json.dumps(value)

@@ -11,7 +11,15 @@ import math
 
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs, RopeScaling
-from titanlite.models.config_fields import POSITIVE_INT, POSITIVE_NUMBER, REQUIRED, field, is_int, is_positive_number
+from titanlite.models.config_fields import (
+    POSITIVE_INT,
+    POSITIVE_NUMBER,
+    REQUIRED,
+    field,
+    is_int,
+    is_number_at_least_0,
+    is_positive_number,
+)
 
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
@@ -90,7 +98,11 @@ def rope_from_config(config: dict, file: str, context: int) -> tuple[float, Rope
     if kind == "yarn":
         factor = float(number("factor", context / original))
         attention = number("attention_factor", None)
-        mscale, mscale_all = number("mscale", None), number("mscale_all_dim", None)
+        # 0 is transformers' "not set": no softmax scaling, attention_factor from factor alone
+        mscale, mscale_all = (
+            field(scaling, k, file, None, is_number_at_least_0, "a number >= 0", prefix)
+            for k in ("mscale", "mscale_all_dim")
+        )
         if attention is None:
             attention = (
                 yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
