@@ -543,6 +543,24 @@ def test_fault_tolerance_with_another_torchft(tmp_path, capsys, saved_run, monke
     check(case, tmp_path, capsys)
 
 
+def test_a_lighthouse_address_with_credentials_is_refused_without_echoing_them(tmp_path, capsys):
+    seen = []
+
+    class Keep:  # check() reads the output itself: keep a copy to look for the secret in
+        def readouterr(self):
+            out = capsys.readouterr()
+            seen.append(out.out + out.err)
+            return out
+
+    secret = "s3cret-do-not-print"
+    case = Case("ft-lighthouse-with-credentials", "config", "train",
+                train(*FT, "--fault_tolerance.lighthouse", f"http://titan:{secret}@127.0.0.1:9"),
+                ("fault_tolerance.lighthouse: an address with credentials in it is not accepted",
+                 "valid: http://host:port"))  # fmt: skip
+    check(case, tmp_path, Keep())
+    assert seen and secret not in "".join(seen)
+
+
 def test_a_hostile_pt_is_refused_in_one_line_naming_the_blocked_global(tmp_path):
     """Not torch's six lines that advise weights_only=False."""
     from titanlite.checkpoint.consolidated import load_consolidated

@@ -94,6 +94,11 @@ def lighthouse_problem(ft_cfg) -> str | None:
             f"(http://host:port), after starting one: {LIGHTHOUSE_COMMAND}"
         )
     url = urlparse(address)
+    if "@" in url.netloc:  # http://user:secret@host would be printed in every message that names the address
+        return (
+            f"{key}: an address with credentials in it is not accepted (they would appear in logs and saved configs), "
+            "and a torchft lighthouse takes none; valid: http://host:port (or host:port)"
+        )
     if url.scheme != "http" or not url.hostname:
         return f"{key} = {given!r}: valid: http://host:port (or host:port), the address of a torchft lighthouse"
     try:
