@@ -41,6 +41,85 @@ def test_nf4_bits_and_what_is_quantized():
     assert nf4 <= frozen and all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
+def _llama_688():
+    """Llama args whose MLP weights are [688 x 256] and [256 x 688]: no multiple of QLoRA's 64 x 256 weights."""
+    from titanlite.models.args import ModelArgs
+
+    return ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=16)
+
+
+def test_default_nf4_blocks_fit_a_688_x_256_weight_from_its_shape_alone():
+    from titanlite.models.nf4 import nf4_block_table, nf4_blocks, nf4_problem
+    from titanlite.models.registry import model_class
+
+    args = _llama_688()
+    assert args.ffn_hidden_dim == 688
+    with torch.device("meta"):
+        model = model_class("llama3")(args)
+    for shards in (1, 2, 4, 8, 16):  # every rank holds whole rows and whole scaler blocks of the same sizes
+        assert nf4_problem(model, shards, 64, 256) is None, shards
+    table = nf4_block_table(model, 64, 256)
+    assert table["layers.0.feed_forward.w1.weight"] == [64, 172]  # 16 scaler blocks of 172 blocks of 64
+    assert table["layers.0.feed_forward.w2.weight"] == [64, 43]
+    assert nf4_blocks(4096, 4096, 64, 256) == (64, 256)  # QLoRA's sizes where they fit
+    assert "[256 x 256]" in nf4_problem(model, 3, 64, 256) and "its 256 rows do not divide by 3" in nf4_problem(
+        model, 3, 64, 256
+    )
+
+
+def _codes_and_losses(tmp, base, *extra):
+    """A QLoRA run at the default block sizes on a HF base: this rank's NF4 codes of every weight, its losses, and
+    (one process) the refusal of its resume once its lora_base.json records other sizes for the MLP's up weight."""
+    from titanlite.errors import ConfigError
+    from titanlite.models.nf4 import local_nf4
+
+    argv = tiny_argv(tmp, "--model.flavor", "hf", "--checkpoint.initial_load_path", str(base), "--lora.enable", "true",
+                     "--lora.rank", "4", "--lora.base_dtype", "nf4", "--training.steps", "2", "--checkpoint.enable",
+                     "--checkpoint.interval", "2", "--training.global_batch_size", "8", *extra)  # fmt: skip
+    t = make_trainer(argv)
+    codes = {}
+    for n, p in t.model.named_parameters():
+        if (q := local_nf4(p)) is not None:
+            inner = (q.quantized_data, q.quantized_scalers, q.quantization_factor, q.scaler_mean)
+            codes[n] = ((q.block_size, q.scaler_block_size), *(x.clone() for x in inner))
+    losses, refusal = t.train(), None
+    if torch.distributed.get_world_size() == 1:
+        record = json.loads((tmp / "checkpoint/step-2/lora_base.json").read_text())
+        record["nf4_blocks"]["layers.0.feed_forward.w3.weight"] = [64, 86]
+        (tmp / "checkpoint/step-2/lora_base.json").write_text(json.dumps(record))
+        try:
+            make_trainer([*argv, "--training.steps", "3"])
+        except ConfigError as e:
+            refusal = str(e)
+    return codes, losses, refusal
+
+
+@pytest.mark.slow
+def test_qlora_at_default_blocks_quantizes_a_688_x_256_weight_alike_at_one_process_and_fsdp2(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    args = _llama_688()
+    config = transformers.LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=688,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    one, losses, refusal = run_distributed(_codes_and_losses, 1, tmp_path / "one", tmp_path / "base")[0]
+    two = run_distributed(_codes_and_losses, 2, tmp_path / "two", tmp_path / "base", "--training.local_batch_size", "4")
+    w1 = "layers.0.feed_forward.w1.weight"
+    assert one[w1][0] == (64, 172) and one["layers.0.feed_forward.w2.weight"][0] == (64, 43)
+    assert one.keys() == two[0][0].keys() == two[1][0].keys() and len(one) == 7
+    for name, (blocks, data, scalers, factors, mean) in one.items():
+        (b0, *half0), (b1, *half1) = two[0][0][name], two[1][0][name]
+        assert b0 == b1 == blocks, name
+        for whole, a, b in zip((data, scalers, factors), half0, half1):  # each rank: its rows' codes, whole blocks
+            assert torch.equal(torch.cat([a, b]), whole), name
+        assert torch.equal(half0[3], mean) and torch.equal(half1[3], mean), name
+    for step in losses:
+        assert abs(two[0][1][step] - losses[step]) < 1e-5, (step, two[0][1][step], losses[step])
+    recorded = json.loads((tmp_path / "two/checkpoint/step-2/lora_base.json").read_text())["nf4_blocks"]
+    assert recorded[w1] == [64, 172] and len(recorded) == 7
+    assert "quantized layers.0.feed_forward.w3.weight in blocks of [64, 86]" in refusal, refusal
+    assert "this version quantizes it in blocks of [64, 172]" in refusal, refusal
+
+
 def _make_base(tmp):
     make_trainer(
         ckpt_argv(f"{tmp}/base", "--training.steps", "3", "--checkpoint.interval", "3", "--checkpoint.last_save_in_hf")

@@ -14,7 +14,7 @@ from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import model_prefix
 from titanlite.checkpoint.hf_io import save_hf_sharded, warn_dropped_routing_bias
 from titanlite.checkpoint.initial import load_initial_weights
-from titanlite.checkpoint.lora_io import saved_adapters, write_peft
+from titanlite.checkpoint.lora_io import saved_adapters, trained_nf4_blocks, write_peft
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
@@ -26,17 +26,18 @@ from titanlite.models.nf4 import nf4_api, quantized_linears
 
 
 @torch.no_grad()
-def dequantize_like_training(model: torch.nn.Module, cfg) -> int:
-    """Replace every weight that a QLoRA run held in NF4 by its dequantized value (quantized whole, with the run's
-    block sizes, from the run's compute dtype); returns how many. The model is plain, or sharded (DTensor weights:
-    every rank gathers each weight in turn)."""
+def dequantize_like_training(model: torch.nn.Module, cfg, step: Path | None) -> int:
+    """Replace every weight that a QLoRA run held in NF4 by its dequantized value (quantized whole, in the block
+    sizes it was trained with: lora_io.trained_nf4_blocks of the checkpoint `step`, from the run's compute dtype);
+    returns how many. The model is plain, or sharded (DTensor weights: every rank gathers each weight in turn)."""
     to_nf4 = nf4_api().to_nf4
     dtype = TORCH_DTYPES[cfg.training.mixed_precision_param]
+    blocks = trained_nf4_blocks(read_lora_base(step) if step is not None else None, cfg.lora, model.args)
     linears = quantized_linears(model)
-    for linear in linears.values():
+    for name, linear in linears.items():
         w = linear.weight
         full = w.full_tensor() if isinstance(w, DTensor) else w
-        q = to_nf4(full.detach().to(dtype), cfg.lora.nf4_block_size, cfg.lora.nf4_scaler_block_size)
+        q = to_nf4(full.detach().to(dtype), *blocks[f"{name}.weight"])
         value = q.get_original_weight().to(w.dtype)
         if isinstance(w, DTensor):
             value = distribute_tensor(value, w.device_mesh, w.placements, src_data_rank=None)
@@ -104,7 +105,7 @@ def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_
         raise ConfigError(f"--checkpoint {step} holds {unexpected[0]}, which its [lora] settings do not make")
     if cfg.lora.base_dtype == "nf4":  # the adapters learnt against the 4-bit base: merge into what it computed
         print(
-            f"{nf4_base_note(dequantize_like_training(model, cfg), cfg)}, and the adapters merged into them in "
+            f"{nf4_base_note(dequantize_like_training(model, cfg, step), cfg)}, and the adapters merged into them in "
             "float32; the export then rounds each merged weight to the export dtype once"
         )
     merge_adapters(model)

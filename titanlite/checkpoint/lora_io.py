@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from titanlite.checkpoint.base_identity import check_same_base
+from titanlite.checkpoint.base_identity import check_same_base, fingerprint
 from titanlite.checkpoint.base_identity import read as read_base
 from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import read_in_this_process
@@ -33,6 +33,7 @@ from titanlite.models.lora import (
     to_peft,
     to_peft_name,
 )
+from titanlite.models.nf4 import nf4_block_table, quantized_linears
 from titanlite.storage import location
 
 logger = logging.getLogger("titanlite")
@@ -67,6 +68,50 @@ def check_lora_resume(path: Path, lora, identity: dict | None, args: ModelArgs |
             f"its adapters mean something only with it; set lora.{key} = {then!r} to resume, or start a new "
             "job.dump_folder to train with the new value"
         )
+    if args is not None and trained is not None and lora.base_dtype == "nf4":
+        then, now = trained_nf4_blocks(saved, trained, args), nf4_block_table(meta_model(args), *nf4_sizes(lora))
+        if changed := [n for n in now if now[n] != then.get(n)]:
+            raise ConfigError(
+                f"{path} was trained on a 4-bit base that quantized {changed[0]} in blocks of {then.get(changed[0])} "
+                f"(block size, scaler block size; {len(changed) - 1} more differ), where this version quantizes it "
+                f"in blocks of {now[changed[0]]}: its adapters mean something only on that base; resume it with the "
+                "titanlite version that saved it, or start a new job.dump_folder"
+            )
+
+
+def nf4_sizes(lora) -> tuple[int, int]:
+    """A [lora] section's largest NF4 block sizes: (nf4_block_size, nf4_scaler_block_size)."""
+    return lora.nf4_block_size, lora.nf4_scaler_block_size
+
+
+def meta_model(args: ModelArgs) -> torch.nn.Module:
+    """The model of these args on the meta device (its shapes)."""
+    from titanlite.models.registry import model_class
+
+    with torch.device("meta"):
+        return model_class(args.family)(args)
+
+
+def base_record(cfg, args: ModelArgs | None) -> dict:
+    """What a LoRA checkpoint records of its base (lora_base.json): its identity and, for a 4-bit base, the block
+    sizes of each weight (nf4_blocks), which resume, export and sampling read back."""
+    record = fingerprint(cfg.checkpoint.initial_load_path)
+    if cfg.lora.base_dtype == "nf4" and args is not None:
+        record["nf4_blocks"] = nf4_block_table(meta_model(args), *nf4_sizes(cfg.lora))
+    return record
+
+
+def trained_nf4_blocks(saved_base: dict | None, lora, args: ModelArgs) -> dict[str, list[int]]:
+    """Weight name -> [block size, scaler block size] a 4-bit base was trained with (lora: that run's [lora]): as
+    its lora_base.json records them; for a checkpoint saved before they were chosen per weight, lora's sizes for
+    every weight; with no lora_base.json (a peft folder on a HF base), as nf4_blocks chooses them."""
+    model = meta_model(args)
+    if saved_base is None:
+        return nf4_block_table(model, *nf4_sizes(lora))
+    recorded = saved_base.get("nf4_blocks")
+    if isinstance(recorded, dict):
+        return {k: list(v) for k, v in recorded.items()}
+    return {f"{name}.weight": list(nf4_sizes(lora)) for name in quantized_linears(model)}
 
 
 def saved_lora(step: Path):

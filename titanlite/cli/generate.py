@@ -164,7 +164,7 @@ def run(argv: list[str]) -> str:
     else:
         load_weights(model, checkpoint)
         if cfg.lora.enable and cfg.lora.base_dtype == "nf4":  # the adapters learnt against the 4-bit base
-            logger.info(f"{nf4_base_note(dequantize_like_training(model, cfg), cfg)}, for sampling")
+            logger.info(f"{nf4_base_note(dequantize_like_training(model, cfg, checkpoint), cfg)}, for sampling")
         a = model.args
         logger.info(f"Loaded {checkpoint}: {a.family}, {a.n_layers} blocks, dim {a.dim}, vocab {a.vocab_size}")
     load_adapters(model, cfg)  # a peft folder's adapters on a base without its own

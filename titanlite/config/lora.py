@@ -59,10 +59,18 @@ class Lora:
         " or ".join(BASE_DTYPES),
     )
     nf4_block_size: int = setting(
-        64, "nf4: weights per quantization block (one scale each; QLoRA's 64)", positive, POSITIVE
+        64,
+        "nf4: weights per quantization block at most (one scale each; QLoRA's 64; each weight gets the largest "
+        "even size up to it that its shape allows)",
+        positive,
+        POSITIVE,
     )
     nf4_scaler_block_size: int = setting(
-        256, "nf4: block scales per second-level block (double quantization; QLoRA's 256)", positive, POSITIVE
+        256,
+        "nf4: block scales per second-level block at most (double quantization; QLoRA's 256; each weight gets "
+        "the largest its shape and FSDP's split by rows allow)",
+        positive,
+        POSITIVE,
     )
     initial_adapter_path: str = setting(
         "",

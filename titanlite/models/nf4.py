@@ -6,12 +6,16 @@ fsdp_pre_all_gather / fsdp_post_all_gather hooks; each linear dequantizes its ga
 in forward and again in backward (torchao's LinearNF4: no weight gradient). One full-precision weight is quantized
 whole and then split, so every topology holds the same codes (the double quantization subtracts the mean of all the
 weight's scales: quantizing each shard alone would give another one per shard).
+
+Each weight's block sizes are chosen from its full shape alone (nf4_blocks), so that every topology quantizes it
+alike: lora.nf4_block_size and nf4_scaler_block_size are the largest sizes, kept wherever they fit.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
 
 import torch
 from torch import nn
@@ -21,6 +25,8 @@ from titanlite.errors import ConfigError
 
 _NF4_TENSOR = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 _NOT_QUANTIZED = ("router",)  # a router's few weights decide the routing: kept in full precision, as its bias
+# Every FSDP degree that is a power of two up to this and divides a weight's rows gives each rank whole scaler blocks.
+SPLIT_DEGREES = 64
 
 
 def nf4_api():
@@ -56,15 +62,55 @@ def is_lora_factor(path: str) -> bool:
     return path.endswith(("lora_a", "lora_b"))
 
 
+def nf4_blocks(rows: int, cols: int, block_size: int, scaler_block_size: int) -> tuple[int, int] | None:
+    """The (block size, scaler block size) a [rows x cols] weight is quantized with: the largest even block size <=
+    block_size that divides its weights, then the largest scaler block size <= scaler_block_size that divides its
+    blocks into a number of scaler blocks that every power-of-two FSDP degree up to SPLIT_DEGREES dividing its rows
+    divides (fewer such degrees where none does); None when no even block size divides it. The full shape alone
+    decides: the same codes at any topology."""
+    numel = rows * cols
+    block = next((b for b in range(block_size - block_size % 2, 0, -2) if numel % b == 0), None)
+    if block is None:
+        return None
+    blocks, degrees = numel // block, math.gcd(rows, SPLIT_DEGREES)
+    while True:  # degrees = 1 ends it: a scaler block of 1 divides any count
+        for scaler in range(min(scaler_block_size, blocks), 0, -1):
+            if blocks % scaler == 0 and blocks // scaler % degrees == 0:
+                return block, scaler
+        degrees //= 2
+
+
+def nf4_block_table(model: nn.Module, block_size: int, scaler_block_size: int) -> dict[str, list[int]]:
+    """Weight name -> [block size, scaler block size] of each weight an NF4 base quantizes (nf4_blocks of its shape;
+    a model whole, on any device)."""
+    table = {}
+    for name, linear in quantized_linears(model).items():
+        blocks = nf4_blocks(*linear.weight.shape, block_size, scaler_block_size)
+        if blocks is None:
+            raise ConfigError(_no_block(name, linear.weight.shape, block_size))
+        table[f"{name}.weight"] = list(blocks)
+    return table
+
+
+def _no_block(name: str, shape, block_size: int) -> str:
+    rows, cols = shape
+    return (
+        f"{name}.weight [{rows} x {cols}] holds {rows * cols} weights, which no even block size <= "
+        f"lora.nf4_block_size = {block_size} divides (NF4 packs two 4-bit codes per byte); set lora.base_dtype = "
+        "'bfloat16' for this model"
+    )
+
+
 def quantize_base(model: nn.Module, block_size: int, scaler_block_size: int, dtype: torch.dtype) -> int:
     """Replace the weight of every quantized_linears() linear with a frozen NF4 parameter of `dtype` (its scales and
-    the dtype it dequantizes to); call on the meta device before FSDP. Returns the weights quantized."""
+    the dtype it dequantizes to), in the block sizes nf4_blocks chooses for its shape; call on the meta device
+    before FSDP. Returns the weights quantized."""
     to_nf4 = nf4_api().to_nf4
-    linears = quantized_linears(model)
-    for linear in linears.values():
+    table = nf4_block_table(model, block_size, scaler_block_size)
+    for name, linear in quantized_linears(model).items():
         w = linear.weight.detach().to(dtype)
-        linear.weight = nn.Parameter(to_nf4(w, block_size, scaler_block_size), requires_grad=False)
-    return len(linears)
+        linear.weight = nn.Parameter(to_nf4(w, *table[f"{name}.weight"]), requires_grad=False)
+    return len(table)
 
 
 def local_nf4(t: torch.Tensor):
@@ -100,17 +146,22 @@ def write_full(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def nf4_problem(model: nn.Module, shards: int, block_size: int, scaler_block_size: int) -> str | None:
-    """Why an NF4 base cannot hold this model's linears split by rows over `shards` ranks, or None: each rank's rows
-    must hold whole scaler blocks (block_size * scaler_block_size weights)."""
-    unit = block_size * scaler_block_size
+    """Why an NF4 base cannot hold this model's linears split by rows over `shards` ranks, or None: each rank holds
+    whole rows and whole scaler blocks of the block sizes nf4_blocks chooses."""
     for name, linear in quantized_linears(model).items():
         rows, cols = linear.weight.shape
-        if rows % shards or (rows // shards * cols) % unit:
+        blocks = nf4_blocks(rows, cols, block_size, scaler_block_size)
+        if blocks is None:
+            return _no_block(name, linear.weight.shape, block_size)
+        count = rows * cols // (blocks[0] * blocks[1])
+        if rows % shards or count % shards:
+            what = f"{rows} rows" if rows % shards else f"{count} scaler blocks"
             return (
-                f"{name}.weight [{rows} x {cols}] split by rows over {shards} FSDP rank(s) gives "
-                f"{rows * cols / shards:g} weights per rank, not a multiple of lora.nf4_block_size * "
-                f"lora.nf4_scaler_block_size = {block_size} * {scaler_block_size} = {unit}: choose block sizes whose "
-                "product divides every weight's share (smaller ones, e.g. 64 and 64), or another "
-                "data_parallel_shard_degree (the replicate degree does not split weights)"
+                f"{name}.weight [{rows} x {cols}], quantized in {count} scaler blocks of {blocks[1]} blocks of "
+                f"{blocks[0]} weights (the largest its shape allows within lora.nf4_block_size = {block_size} and "
+                f"lora.nf4_scaler_block_size = {scaler_block_size}), cannot be split by rows over {shards} FSDP "
+                f"ranks: its {what} do not divide by {shards}, and each rank must hold whole rows and whole scaler "
+                f"blocks; valid: a data_parallel_shard_degree dividing {math.gcd(rows, count)} (the replicate degree "
+                "does not split weights), or a smaller lora.nf4_scaler_block_size"
             )
     return None
