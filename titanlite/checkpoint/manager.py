@@ -27,7 +27,6 @@ import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint import save_failure
 from titanlite.checkpoint.base_identity import FILE as LORA_BASE
-from titanlite.checkpoint.base_identity import fingerprint
 from titanlite.checkpoint.base_identity import write as write_lora_base
 from titanlite.checkpoint.catalog import (
     COMMITTED,
@@ -50,7 +49,7 @@ from titanlite.checkpoint.data_identity import check_unchanged
 from titanlite.checkpoint.data_identity import write as write_data_identity
 from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.integrity import seal, write_rank_manifest
-from titanlite.checkpoint.lora_io import check_lora_resume, load_peft_adapter
+from titanlite.checkpoint.lora_io import base_record, check_lora_resume, load_peft_adapter
 from titanlite.checkpoint.parts import ModelPart, OptimizerPart, SchedulerPart, TrainStatePart
 from titanlite.checkpoint.resume import (
     check_model_matches,
@@ -102,9 +101,10 @@ class CheckpointManager:
         self.wanted = wanted_parts(cfg)
         self.model, self.dataloader = model, dataloader
         self.saved_steps: set[int] = set()  # steps this run wrote (retention says when it removes older runs')
-        # LoRA: checkpoints hold the adapters; the base is checkpoint.initial_load_path's, identified by fingerprint.
+        # LoRA: checkpoints hold the adapters; the base is checkpoint.initial_load_path's, identified by fingerprint
+        # (and a 4-bit base by its block sizes).
         self.lora = cfg.lora.enable
-        self.lora_base = fingerprint(cfg.checkpoint.initial_load_path) if self.lora else None
+        self.lora_base = base_record(cfg, getattr(model, "args", None)) if self.lora else None
         self.parts = {
             "model": ModelPart(model, trainable_only=self.lora),
             "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer), outer),
