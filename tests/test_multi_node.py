@@ -16,7 +16,7 @@ import pytest
 
 from titanlite.runtime.distributed import free_port
 
-from helpers import job, run_job, stop_job, subprocess_env
+from helpers import job, make_trainer, run_distributed, run_job, stop_job, subprocess_env, tiny_argv
 
 pytestmark = pytest.mark.slow  # torchrun agents
 
@@ -77,6 +77,38 @@ def test_two_nodes_train_as_one_node_and_their_checkpoints_resume_on_either(tmp_
     assert on_one.returncode == 0 and all(n.returncode == 0 for n in on_two), on_one.stdout[-2000:]
     assert _losses(on_one.stdout) == {5: ref[5], 6: ref[6]}
     assert _losses(on_two[0].stdout) == {5: ref[5], 6: ref[6]}
+
+
+def _configured_apart(tmp: str, by_rank: list[list[str]]) -> str | None:
+    """Build a Trainer with this rank's overrides; the ConfigError it raised (None when it built)."""
+    import os
+
+    from titanlite.errors import ConfigError
+
+    try:
+        make_trainer(tiny_argv(tmp, *by_rank[int(os.environ["RANK"])]))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_started_with_different_configurations_stop_before_any_collective(tmp_path):
+    """Before FSDP's set-up (a different model.flavor crashed gloo there), every rank refuses with one line that
+    names each differing key with its value on each rank; keys that only locate the config file may differ."""
+    config = Path(__file__).parent.parent / "train_configs" / "debug_model.toml"
+    elsewhere = tmp_path / "elsewhere.toml"
+    elsewhere.write_text(config.read_text())
+    apart = ["--optimizer.lr", "2e-3", "--training.seq_len", "64", "--model.flavor", "debugmodel"]
+    told = run_distributed(_configured_apart, 2, str(tmp_path), [[], apart])
+    assert told[0] == told[1] and told[0] is not None and "\n" not in told[0], told
+    assert told[0].startswith("the ranks of this job were started with different configurations: "), told[0]
+    for key in ("model.flavor ('tiny' on rank 0, 'debugmodel' on rank 1)", "optimizer.lr (0.003 on rank 0, 0.002 on "
+                "rank 1)", "training.seq_len (32 on rank 0, 64 on rank 1)"):  # fmt: skip
+        assert key in told[0], told[0]
+    assert not (tmp_path / "checkpoint").exists()
+    # The same settings from a config file at another path: the same job.
+    by_rank = [["--job.config_file", str(config)], ["--job.config_file", str(elsewhere)]]
+    assert run_distributed(_configured_apart, 2, str(tmp_path), by_rank) == [None, None]
 
 
 def _wait_for(proc_out: Path, pattern: str, timeout: float = 120) -> None:

@@ -42,6 +42,7 @@ from titanlite.runtime.distributed import init_distributed, pick_device, set_see
 from titanlite.runtime.exit_status import record_end
 from titanlite.runtime.hang_watch import HangWatch
 from titanlite.runtime.run_control import guard_run, release_all
+from titanlite.runtime.same_config import check_same_config
 from titanlite.sizing.flops import flops_per_token
 from titanlite.storage import describe_failure, is_remote, remove_tree, upload
 from titanlite.validate import Validator
@@ -73,6 +74,7 @@ class Trainer:
         self.global_batch_size, self.model_args = plan.global_batch_size, plan.model_args
 
         self.env = init_distributed(cfg.training.hang_timeout_seconds)
+        check_same_config(cfg)  # before any collective that another rank's settings could break
         self.device = self.env.device
         self.hang = HangWatch(
             cfg.job.dump_folder, self.env.rank, self.env.world_size, cfg.training.hang_timeout_seconds

@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from titanlite.config.compare import canonical, flat_settings
 from titanlite.models.nf4 import local_nf4
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -132,8 +133,7 @@ def previous_quorum(text: str) -> list[tuple[str, int]]:
 def shared_settings(cfg, world_size: int) -> dict[str, str]:
     """Every setting the groups must share, by its key ('section.key'), as canonical JSON."""
     d = cfg.to_dict()
-    flat = {f"{s}.{k}": v for s in SHARED_SECTIONS for k, v in d[s].items()}
-    flat |= {f"checkpoint.{k}": d["checkpoint"][k] for k in START_KEYS}
+    flat = {f"checkpoint.{k}": d["checkpoint"][k] for k in START_KEYS}
     flat[INITIAL_LOAD] = bool(cfg.checkpoint.initial_load_path)
     flat["metrics.log_freq"] = cfg.metrics.log_freq  # logged steps sum their loss across the groups
     flat["fault_tolerance.group_count"] = cfg.fault_tolerance.group_count
@@ -143,7 +143,7 @@ def shared_settings(cfg, world_size: int) -> dict[str, str]:
         for key in ("sync_every", "outer_lr", "outer_momentum"):
             flat[f"fault_tolerance.{key}"] = getattr(cfg.fault_tolerance, key)
     flat[WORLD] = world_size
-    return {k: json.dumps(v, sort_keys=True, default=str) for k, v in flat.items()}
+    return flat_settings(cfg, SHARED_SECTIONS) | canonical(flat)
 
 
 def _slot(key: str) -> int:
@@ -162,18 +162,6 @@ def differing_keys(settings: dict[str, str], differing_slots) -> list[str]:
     """The keys of `settings` whose slot differs between the groups (a slot holds a few keys: all are named)."""
     wanted = set(int(s) for s in differing_slots)
     return sorted(k for k in settings if _slot(k) in wanted)
-
-
-def describe_difference(settings: dict[str, str], keys: list[str], peer: dict[str, str] | None = None) -> str:
-    """'training.seq_len (here 2048)' or, with the peer's settings, 'training.seq_len (here 2048, there 1024)'."""
-    if not keys:
-        return "a setting this group does not have (another titanlite version?)"
-    parts = []
-    for k in keys[:6]:
-        there = "" if peer is None else f", there {peer.get(k, 'absent')}"
-        parts.append(f"{k} (here {settings[k]}{there})")
-    more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
-    return ("one of " if peer is None and len(keys) > 1 else "") + ", ".join(parts) + more
 
 
 # ---------------------------------------------------------------- the weights

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.compat import forget_failed_quorum, quorum_id
+from titanlite.config.compare import describe_difference
 from titanlite.errors import ConfigError, ReplicaGroupsError
 from titanlite.parallel.ft import (
     ID_SLOTS,
@@ -35,7 +36,6 @@ from titanlite.parallel.ft import (
     TOKENS,
     VECTOR,
     any_rank,
-    describe_difference,
     differing_keys,
     is_lighthouse,
     lighthouse_address,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from titanlite.config.compare import describe_difference
 from titanlite.errors import ConfigError
-from titanlite.parallel.ft import describe_difference
 
 
 def local(t):

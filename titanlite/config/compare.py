@@ -1,0 +1,74 @@
+"""Two or more runs' settings compared key by key: each setting as canonical text by 'section.key', a digest of them
+all, and the keys that differ named with their values. The ranks of one job (titanlite/runtime/same_config.py) and
+the replica groups of a fault-tolerant job (titanlite/parallel/ft.py) compare through it. No torch here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+MAX_KEYS = 6  # a message names this many differing keys, then counts the rest
+
+
+def canonical(flat: dict) -> dict[str, str]:
+    """Each value as canonical JSON (sorted keys; anything JSON lacks as its str), by key."""
+    return {k: json.dumps(v, sort_keys=True, default=str) for k, v in flat.items()}
+
+
+def flat_settings(cfg, sections=None, skip=()) -> dict[str, str]:
+    """The settings of these sections of a JobConfig (every section by default) by 'section.key', as canonical JSON,
+    without the keys in skip."""
+    d = cfg.to_dict()
+    flat = {f"{s}.{k}": v for s in (sections or d) for k, v in d[s].items()}
+    return canonical({k: v for k, v in flat.items() if k not in skip})
+
+
+def digest(settings: dict[str, str]) -> str:
+    """A hash of all these settings (the same settings give the same digest on any machine)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def describe_difference(settings: dict[str, str], keys: list[str], peer: dict[str, str] | None = None) -> str:
+    """'training.seq_len (here 2048)' or, with the peer's settings, 'training.seq_len (here 2048, there 1024)'."""
+    if not keys:
+        return "a setting this group does not have (another titanlite version?)"
+    parts = []
+    for k in keys[:MAX_KEYS]:
+        there = "" if peer is None else f", there {peer.get(k, 'absent')}"
+        parts.append(f"{k} (here {settings[k]}{there})")
+    more = f" and {len(keys) - MAX_KEYS} more" if len(keys) > MAX_KEYS else ""
+    return ("one of " if peer is None and len(keys) > 1 else "") + ", ".join(parts) + more
+
+
+def _shown(text: str | None) -> str:
+    """A canonical JSON value as a user writes it in a message ('tiny', 0.001, true); 'absent' for None."""
+    if text is None:
+        return "absent"
+    value = json.loads(text)
+    return repr(value) if isinstance(value, str) else text
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-7' or 'ranks 0, 2, 5-6'."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
+def describe_by_rank(settings_by_rank: list[dict[str, str]]) -> str:
+    """The keys whose values differ between the ranks, each with its values and the ranks that hold them:
+    "optimizer.lr (0.001 on rank 0, 0.002 on rank 1)"; '' when every rank holds the same settings."""
+    keys = sorted({k for s in settings_by_rank for k in s})
+    parts = []
+    for key in keys:
+        by_value: dict[str | None, list[int]] = {}
+        for rank, settings in enumerate(settings_by_rank):
+            by_value.setdefault(settings.get(key), []).append(rank)
+        if len(by_value) > 1:
+            parts.append(f"{key} ({', '.join(f'{_shown(v)} on {_ranks(r)}' for v, r in by_value.items())})")
+    more = f" and {len(parts) - MAX_KEYS} more" if len(parts) > MAX_KEYS else ""
+    return ", ".join(parts[:MAX_KEYS]) + more
