@@ -19,12 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 
-from titanlite.runtime.exit_status import ENV, LOST_PEER, read_outcome
-from titanlite.runtime.hang_watch import LauncherWatch
-from titanlite.runtime.run_control import LAUNCHER_PID_ENV
+from titanlite.runtime.exit_status import ENV, LOST_PEER, read_outcome  # no torch import: see _quiet_cpp_log
 
 # Seconds torchrun's agent waits for the other nodes' agents once its own workers are done (torch's default: 300).
 EXIT_BARRIER_ENV = "TITANLITE_EXIT_BARRIER_TIMEOUT"
@@ -68,16 +67,18 @@ def _stopped(e) -> int:
     return 128 + int(e.sigval)
 
 
-def _failed(table) -> int:
+def _failed(table, argv: list[str] | None = None) -> int:
     """The exit status and message of a failed job: what a worker recorded (a user error: 2; a failed run, a lost
-    node or a hang found by the watch: 1), else torchrun's failure table (status 1), also when a rank of this node
-    crashed without a record while the others only lost it."""
+    node or a hang found by the watch: 1; a lost node that hosted the rendezvous: that), else torchrun's failure
+    table (status 1), also when a rank of this node crashed without a record while the others only lost it."""
     outcome = read_outcome(os.environ.get(ENV))
     failure = outcome.first_failure()
     crashed = [r for r in getattr(table, "failures", {}) if r not in outcome.failures]
     if failure is None or (failure.get("status") == LOST_PEER and crashed):
         print(f"torchrun: a worker failed\n{table}", file=sys.stderr)
         return 1
+    if failure.get("status") == LOST_PEER and argv is not None and _rendezvous_gone(argv):
+        return _lost_rendezvous(argv, "its ranks are gone too")
     where = f" (rank {failure['rank']})" if failure["rank"] else ""
     if failure.get("status") == "config_error":
         print(f"config error{where}: {failure['message']}", file=sys.stderr)
@@ -119,14 +120,56 @@ def _rendezvous_timeout(argv: list[str]) -> int:
     return 1
 
 
+def _rendezvous_gone(argv: list[str]) -> bool:
+    """Whether nothing answers at RDZV_ENDPOINT any more (the node that hosted the rendezvous ended or cannot be
+    reached); False on one node (an endpoint of port 0) and when the endpoint cannot be read."""
+    host, _, port = _option(argv, "rdzv_endpoint", "").rpartition(":")
+    if not host or not port.isdigit() or int(port) == 0:
+        return False
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=3).close()
+    except OSError:
+        return True
+    return False
+
+
+def _lost_rendezvous(argv: list[str], cause: str) -> int:
+    """One line for a node whose job lost the node that hosted the rendezvous (exit status 1)."""
+    endpoint = _option(argv, "rdzv_endpoint", "?")
+    print(
+        f"error: lost contact with the job's rendezvous at RDZV_ENDPOINT={endpoint} ({cause}): the node that hosts it "
+        "(the first to start there) ended, has not started within 60 s, or cannot be reached, so this one stops; "
+        f"relaunch run_train.sh on every node (NNODES={_option(argv, 'nnodes', '1')}) to resume from the newest "
+        "complete checkpoint",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _quiet_cpp_log() -> None:
+    """Keep only errors in this process's C++ log: when the node hosting the rendezvous dies, torchrun's store logs a
+    warning with a 14-line C++ stack trace before the one line that says so. torch reads the level once, when it is
+    loaded; the workers get the user's own setting."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with these arguments; returns the job's exit status (0, 1, or 2 for a user error)."""
+    _quiet_cpp_log()
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun
 
     from titanlite.compat import set_exit_barrier_timeout
+    from titanlite.runtime.hang_watch import LauncherWatch
+    from titanlite.runtime.run_control import LAUNCHER_PID_ENV
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not os.environ.get(ENV):  # not from run_train.sh: a status file of its own, for this job only
@@ -149,21 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     except RendezvousTimeoutError:
         return _rendezvous_timeout(argv)
     except RendezvousError as e:  # the node that hosted the rendezvous (RDZV_ENDPOINT) is gone
-        if read_outcome(os.environ.get(ENV)).first_failure() is not None:
-            return _failed("")  # a worker already said which node it lost
-        endpoint = _option(argv, "rdzv_endpoint", "?")
-        print(
-            f"error: lost contact with the job's rendezvous at RDZV_ENDPOINT={endpoint} ({type(e).__name__}): the "
-            "node that hosts it (the first to start there) ended, has not started within 60 s, or cannot be reached, "
-            f"so this one stops; relaunch run_train.sh on every node (NNODES={_option(argv, 'nnodes', '1')}) to resume "
-            "from the newest complete checkpoint",
-            file=sys.stderr,
-        )
-        return 1
+        failure = read_outcome(os.environ.get(ENV)).first_failure()
+        if failure is not None and failure.get("status") != LOST_PEER:
+            return _failed("")  # a worker's own story (a user error, a failed run): the lost node is its echo
+        return _lost_rendezvous(argv, type(e).__name__)
     except SignalException as e:  # a user's or scheduler's stop: one line and its own status, no traceback
         return _stopped(e)
     except ChildFailedError as e:
-        return _failed(e)
+        return _failed(e, argv)
     finally:
         watch.stop()
         if before is None:
