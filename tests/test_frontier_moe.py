@@ -3,7 +3,7 @@ DeepseekV3ForCausalLM's and Glm4MoeForCausalLM's (multi-head latent attention wi
 YaRN softmax scale, decisive group-limited sigmoid routing with a non-zero correction bias, shared experts, dense
 first blocks, partial rotary, q/k/v biases, q/k norms), exports load back, greedy generation (KV cache and not) is
 transformers'; Qwen3-MoE's dense blocks (mlp_only_layers, decoder_sparse_step); multi-token-prediction weights
-skipped; the published shapes and counts. The parity at every topology is in test_moe_parallel.py."""
+not loaded; the published shapes and counts. The parity at every topology is in test_moe_parallel.py."""
 
 import json
 import logging
@@ -76,6 +76,8 @@ CASES = {
     # 0 is transformers' "not set": no softmax scaling (mscale_all_dim), attention_factor from factor alone (mscale)
     "deepseek_v3_yarn_mscale_all_dim_0": ("deepseek_v3", {"rope_parameters": YARN | {"mscale_all_dim": 0}}),
     "deepseek_v3_yarn_mscale_0": ("deepseek_v3", {"rope_parameters": YARN | {"mscale": 0}}),
+    # transformers saves the shared expert of n_shared_experts = 0 as empty (0, 64) tensors
+    "deepseek_v3_no_shared_experts": ("deepseek_v3", {"n_shared_experts": 0}),
     "glm4_moe": ("glm4_moe", {}),
     "glm4_moe_air_no_qk_norm": ("glm4_moe", {"use_qk_norm": False}),
     "qwen3_moe_mlp_only_layers": ("qwen3_moe", {"mlp_only_layers": [0, 2]}),
@@ -97,7 +99,7 @@ def test_logits_generation_and_export_equal_transformers(tmp_path, case):
     assert (a.family, a.dense_layers, a.mla) == (family, dense, family == "deepseek_v3")
     if family != "qwen3_moe":
         assert (a.score_func, a.n_group, a.topk_group, a.routed_scaling_factor, a.n_shared_experts) == (
-            "sigmoid", 4, 2, 2.5, 1,
+            "sigmoid", 4, 2, 2.5, sizes.get("n_shared_experts", 1),
         )  # fmt: skip
         bias = ours.layers[1].feed_forward.expert_bias
         assert torch.equal(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)  # the folder's own
@@ -113,14 +115,16 @@ def test_logits_generation_and_export_equal_transformers(tmp_path, case):
         assert tokens == hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 5:].tolist()
 
     save_hf_sharded(ours, tmp_path / "out", torch.float32, ByteTokenizer(), max_file_bytes=60_000)
-    back = type(hf).from_pretrained(tmp_path / "out").eval()
+    back, info = type(hf).from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # n_shared_experts = 0: its empty tensors too
+    back.eval()
     with torch.no_grad():
         assert (back(x).logits - expected).abs().max() < 1e-5
 
 
-def test_multi_token_prediction_weights_are_skipped_with_one_line(tmp_path, caplog):
+def test_multi_token_prediction_weights_are_not_loaded_with_one_line(tmp_path, caplog):
     """DeepSeek-V3's folder stores its MTP layer as model.layers.61.*, which DeepseekV3ForCausalLM ignores: so does
-    titanlite, saying so once."""
+    titanlite's model, saying so once (an export carries them: test_hf_mtp.py)."""
     from safetensors.torch import save_file
 
     hf_frontier_model(tmp_path / "hf", "deepseek_v3")
@@ -132,7 +136,7 @@ def test_multi_token_prediction_weights_are_skipped_with_one_line(tmp_path, capl
     with caplog.at_level(logging.INFO, logger="titanlite"):
         model = _titanlite_from(tmp_path / "hf")
     assert model.args.n_layers == 3
-    assert "num_nextn_predict_layers = 1: the multi-token-prediction layer's weights are skipped" in caplog.text
+    assert "num_nextn_predict_layers = 1: the multi-token-prediction layer's weights are not trained" in caplog.text
 
 
 PUBLISHED = [  # (family, flavor, total, active, the card's count of active: with the embedding and output or not)

@@ -365,7 +365,8 @@ class Trainer:
         out = checkpoint_folder(self.cfg) / f"hf-step-{self.step}"
         local = Path(self.cfg.job.dump_folder) / out.name if is_remote(out) else out
         t0 = time.perf_counter()
-        save_hf_sharded(self.model, local, TORCH_DTYPES[self.cfg.checkpoint.export_dtype], self.tokenizer)
+        dtype, started_from = TORCH_DTYPES[self.cfg.checkpoint.export_dtype], self.cfg.checkpoint.initial_load_path
+        save_hf_sharded(self.model, local, dtype, self.tokenizer, started_from=started_from)
         if local != out and self.env.rank == 0:
             try:
                 remove_tree(out)

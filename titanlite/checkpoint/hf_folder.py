@@ -3,7 +3,9 @@ headers), and the check that they are the tensors a model shape needs (no torch 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import pathlib
 
@@ -104,13 +106,15 @@ def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> dict[str, tuple[s
     expected = quantized_variants(hf_shapes(args), found, args)  # gpt-oss's MXFP4 experts, where the folder has them
     missing = [n for n in expected if n not in found]
     mtp = FAMILIES[args.family].hf.mtp_keys  # multi-token-prediction layers after the model's: skipped
+    zero_sized = zero_sized_shapes(args)
     unexpected = [
         n
         for n in found
         if n not in expected
         and not n.endswith(IGNORED_HF_TENSORS)
         and not (n == OUTPUT and args.tie_embeddings)
-        and not (mtp and _layer_index(n) >= args.n_layers)
+        and not (mtp and layer_index(n) >= args.n_layers)
+        and not (n in zero_sized and math.prod(found[n][1]) == 0)
     ]
     wrong = [
         f"{n} has shape {found[n][1]} in {found[n][0]} but the model needs {expected[n]}"
@@ -132,7 +136,21 @@ def check_hf_weights(folder: pathlib.Path, args: ModelArgs) -> dict[str, tuple[s
     return found
 
 
-def _layer_index(hf_name: str) -> int:
+def zero_sized_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The HF tensors of parts config.json sizes to zero, which the model has no tensor for, with their empty shapes:
+    transformers builds and saves them (a DeepSeek-V3 with n_shared_experts = 0 holds (0, dim) shared-expert
+    weights)."""
+    if (
+        not args.n_experts
+        or args.n_shared_experts
+        or "n_shared_experts" not in FAMILIES[args.family].hf.extra_keys(args)
+    ):
+        return {}
+    one, two = (hf_shapes(dataclasses.replace(args, n_shared_experts=n)) for n in (1, 2))
+    return {n: tuple(0 if a != b else a for a, b in zip(one[n], two[n])) for n in one.keys() - hf_shapes(args).keys()}
+
+
+def layer_index(hf_name: str) -> int:
     """The block a HF tensor belongs to (model.layers.<i>.), -1 for the others."""
     parts = hf_name.split(".")
     return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1

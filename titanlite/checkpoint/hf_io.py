@@ -25,7 +25,13 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.export_target import shown
-from titanlite.checkpoint.hf_folder import INDEX, check_hf_weights, safetensors_module, save_safetensors
+from titanlite.checkpoint.hf_carried import carry_into_export
+from titanlite.checkpoint.hf_folder import (
+    INDEX,
+    check_hf_weights,
+    safetensors_module,
+    save_safetensors,
+)
 from titanlite.checkpoint.hf_fused_experts import fused_export_state, interleave, load_fused_experts
 from titanlite.checkpoint.nf4_loading import load_quantized, quantized_weights
 from titanlite.checkpoint.safe_reading import load_metadata
@@ -226,9 +232,11 @@ def save_hf_sharded(
     dtype: torch.dtype,
     tokenizer,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    started_from: str = "",
 ) -> int:
-    """Write the model as a HF folder from every rank of the job (call on all ranks); returns the number of tensors
-    the folder holds."""
+    """Write the model as a HF folder from every rank of the job (call on all ranks), with the tensors it carries
+    from the folder the run `started_from` (checkpoint.initial_load_path; hf_carried.py); returns the number of
+    tensors the folder holds (on rank 0; the others count the model's only)."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter  # needs safetensors: checked below
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -256,7 +264,7 @@ def save_hf_sharded(
         state[to_hf_name(name, args)] = t if heads is None else _permute_rows(t, heads, to_hf)
     mapping = file_mapping(args, dtype.itemsize, max_file_bytes)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    sharded = out / "sharded"
+    sharded, carried = out / "sharded", 0
     if rank == 0:
         shutil.rmtree(out, ignore_errors=True)
         sharded.mkdir(parents=True)
@@ -270,9 +278,10 @@ def save_hf_sharded(
         if not (out / INDEX).is_file():  # DCP writes the index only when a process group gathers the files
             _write_index(out, mapping, state)
         write_metadata(out, args, str(dtype).removeprefix("torch."), tokenizer)
+        carried = carry_into_export(out, args, started_from, max_file_bytes)
     if dist.is_initialized():
         dist.barrier()
-    return len(mapping)
+    return len(mapping) + carried
 
 
 @torch.no_grad()
@@ -284,9 +293,11 @@ def export_hf(
     dtype: torch.dtype | None,
     tokenizer,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    started_from: str = "",
 ) -> int:
     """Write a DCP checkpoint's model as a HF folder, one output file's tensors in memory at a time (one
-    process); returns the number of tensors."""
+    process), with the tensors it carries from the folder the run `started_from` (hf_carried.py); returns the
+    number of tensors."""
     safetensors_module()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -359,7 +370,7 @@ def export_hf(
     write_metadata(
         out, args, str(dtype or next(iter(saved.values())).properties.dtype).removeprefix("torch."), tokenizer
     )
-    return len(weight_map)
+    return len(weight_map) + carry_into_export(out, args, started_from, max_file_bytes)
 
 
 def _tuple(names) -> tuple:

@@ -110,4 +110,5 @@ def export_merged(step: Path, output: Path, dtype: torch.dtype | None, max_file_
         )
     merge_adapters(model)
     out_dtype = dtype or next(v for k, v in adapters.items() if not is_routing_bias(k)).dtype
-    return save_hf_sharded(model, output, out_dtype, build_tokenizer(cfg.model.tokenizer_path), max_file_bytes)
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    return save_hf_sharded(model, output, out_dtype, tokenizer, max_file_bytes, started_from=str(base["path"]))

@@ -92,8 +92,11 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
         ) from None
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     cast = TORCH_DTYPES[dtype] if dtype else None
+    start = cfg.checkpoint.initial_load_path  # the MTP layers are carried from there (hf_carried.py)
     return write_atomically(
-        output, True, lambda tmp: export_hf(step, model_prefix(metadata), tmp, args, cast, tokenizer, max_file_bytes)
+        output,
+        True,
+        lambda tmp: export_hf(step, model_prefix(metadata), tmp, args, cast, tokenizer, max_file_bytes, start),
     )
 
 

@@ -69,8 +69,8 @@ class HFArchitecture:
     attention_bias_is_qkv: bool = False  # config.json's attention_bias switches q/k/v biases (GLM-4.5), not refused
     extra_args: Callable[[dict, str], dict] = no_extra_args  # ModelArgs fields of the family's own config.json keys
     extra_keys: Callable[[ModelArgs], dict] = no_extra_keys  # config.json keys an export writes for those fields
-    # config.json keys counting multi-token-prediction layers stored after the model's (their weights are skipped on
-    # import, as transformers' class skips them)
+    # config.json keys counting multi-token-prediction layers stored after the model's (not trained, as transformers'
+    # class skips them; an HF export carries them over from the folder the run started from)
     mtp_keys: tuple[str, ...] = ()
 
 

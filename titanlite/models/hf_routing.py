@@ -1,6 +1,7 @@
 """The config.json keys of DeepSeek-V3-style routing and block layout (DeepSeek-V3, Kimi K2, Moonlight, GLM-4.5) <->
 ModelArgs (no torch): shared experts, group-limited sigmoid routing with its scaling factor, dense first blocks;
-and multi-token-prediction layers, which titanlite does not train (their weights are skipped on import)."""
+and multi-token-prediction layers, which titanlite does not train (their weights are not loaded; an HF export carries
+them over unchanged: checkpoint/hf_carried.py)."""
 
 from __future__ import annotations
 
@@ -97,15 +98,15 @@ def routing_keys(args: ModelArgs) -> dict:
 
 def note_mtp_layers(config: dict, file: str, keys: tuple[str, ...]) -> int:
     """The multi-token-prediction layers a config.json counts (0 when none), said once in the log: titanlite trains
-    and exports the main model, as transformers' class does, and skips their weights."""
+    the main model, as transformers' class does, and does not load their weights (an HF export carries them)."""
     n = next((config[k] for k in keys if config.get(k) is not None), 0)
     if not (is_int(n) and n >= 0):
         raise ConfigError(f"{file}: {keys[0]} = {json.dumps(n)[:40]} is not valid; expected {POSITIVE_INT} or 0")
     if n and file not in _NOTED:
         _NOTED.add(file)
         logger.info(
-            f"{file}: {keys[0]} = {n}: the multi-token-prediction layer's weights are skipped (titanlite trains the "
-            f"main model, as transformers' class does)"
+            f"{file}: {keys[0]} = {n}: the multi-token-prediction layer's weights are not trained (titanlite trains "
+            f"the main model, as transformers' class does); an HF export carries them over unchanged"
         )
     return n
 
