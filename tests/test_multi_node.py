@@ -43,13 +43,13 @@ def _losses(text: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in STEP.findall(text)}
 
 
-def _two_nodes(dump: Path, *args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """run_train.sh on two 'nodes' (two agents, one rendezvous) until both end."""
+def _two_nodes(dump: Path, *args: str, timeout: float = 240, only_b=()) -> list[subprocess.CompletedProcess]:
+    """run_train.sh on two 'nodes' (two agents, one rendezvous) until both end; only_b: node b's own overrides."""
     port = free_port()
     cmd = ["./run_train.sh", *TINY, "--job.dump_folder", str(dump), *args]
     log = dump.parent / f"{dump.name}-node0.log"  # a file, not a pipe nobody reads while node 1 runs
     with open(log, "w") as out, job(cmd, env=_node(port), stdout=out, stderr=subprocess.STDOUT) as a:
-        b = run_job(cmd, env=_node(port), timeout=timeout, merge_output=True)
+        b = run_job([*cmd, *only_b], env=_node(port), timeout=timeout, merge_output=True)
         a.wait(timeout=timeout)
     return [subprocess.CompletedProcess(a.args, a.returncode, log.read_text(), None), b]
 
@@ -78,6 +78,15 @@ def test_two_nodes_train_as_one_node_and_their_checkpoints_resume_on_either(tmp_
     assert on_one.returncode == 0 and all(n.returncode == 0 for n in on_two), on_one.stdout[-2000:]
     assert _losses(on_one.stdout) == {5: ref[5], 6: ref[6]}
     assert _losses(on_two[0].stdout) == {5: ref[5], 6: ref[6]}
+
+    # Nodes started with different settings: each ends at once with one line naming the keys, and exit status 2.
+    apart = _two_nodes(tmp_path / "apart", "--training.steps", "6", only_b=("--optimizer.lr", "2e-3"))
+    for node in apart:
+        told = [line for line in node.stdout.splitlines() if "started with different configurations" in line]
+        assert node.returncode == 2 and len(told) == 1, node.stdout[-3000:]
+        assert told[0].startswith("config error") and "optimizer.lr (0.00" in told[0], told  # ranks: rendezvous'
+        assert "0.003 on rank " in told[0] and "0.002 on rank " in told[0], told
+        assert "Traceback" not in node.stdout and "step:" not in node.stdout, node.stdout[-3000:]
 
 
 def _configured_apart(tmp: str, by_rank: list[list[str]]) -> str | None:
