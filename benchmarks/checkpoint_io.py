@@ -83,15 +83,16 @@ def start_s3() -> subprocess.Popen | None:
 def save(state: dict, folder, mode: str) -> tuple[float, float]:
     """(seconds the caller was blocked, seconds until the save and its manifest were complete)."""
     t0 = time.perf_counter()
+    crcs: dict[str, int] = {}  # the CRC-32s of the objects, computed as they are uploaded
     if mode == "sync":
-        dcp.save(state, storage_writer=dcp_writer(folder))
-        write_rank_manifest(folder, 0)
+        dcp.save(state, storage_writer=dcp_writer(folder, crcs))
+        write_rank_manifest(folder, 0, crcs)
         done = time.perf_counter() - t0
         return done, done
-    future = dcp.async_save(state, storage_writer=dcp_writer(folder))
+    future = dcp.async_save(state, storage_writer=dcp_writer(folder, crcs))
     blocked = time.perf_counter() - t0
     future.result()
-    write_rank_manifest(folder, 0)
+    write_rank_manifest(folder, 0, crcs)
     return blocked, time.perf_counter() - t0
 
 

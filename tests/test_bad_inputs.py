@@ -225,7 +225,24 @@ CHECKPOINTS = [
         ("checkpoint.load_step = 4", "its .metadata cannot be read"),
         setup=lambda tmp: (_copy_run(tmp), (tmp / "run/checkpoint/step-4/.metadata").write_bytes(b"x")),
     ),
+    Case(
+        "load-step-damaged-unlisted",  # saved before manifests: the damage shows only when a saved item is read
+        "checkpoint",
+        "train",
+        resume("--checkpoint.load_step", "4", "--training.steps", "8"),
+        (
+            "checkpoint.load_step = 4: {tmp}/run/checkpoint/step-4 is corrupt: a saved item cannot be read",
+            "complete checkpoints there: 2, 4",
+        ),
+        setup=lambda tmp: (_copy_run(tmp), _damage_unlisted(tmp / "run/checkpoint/step-4")),
+    ),
 ]
+
+
+def _damage_unlisted(step):
+    (step / "manifest.json").unlink()
+    shard = step / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-300] + bytes(300))
 
 
 FT = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_count", "2")

@@ -114,7 +114,7 @@ def test_retention_says_when_it_removes_or_replaces_an_earlier_runs_step(tmp_pat
     assert second.returncode == 0, out[-3000:]
     removed = f"Removed old checkpoint {dump / 'checkpoint' / 'step-4'} (checkpoint.keep_latest_k = 1; "
     assert removed + "written by an earlier run)" in out
-    # going back to an older step and reaching a saved step again replaces it, with a warning
+    # going back to an older step sets the newer ones aside (renamed, not replaced), with a warning
     third = run_module(
         "titanlite.train",
         *tiny_argv(dump, "--training.steps", "8", "--checkpoint.load_step", "6", "--checkpoint.interval", "2", *JOB),
@@ -124,4 +124,6 @@ def test_retention_says_when_it_removes_or_replaces_an_earlier_runs_step(tmp_pat
         "titanlite.train",
         *tiny_argv(dump, "--training.steps", "8", "--checkpoint.load_step", "6", "--checkpoint.interval", "2", *JOB),
     )
-    assert "Replacing" in fourth.stdout + fourth.stderr and "written by an earlier run" in fourth.stdout + fourth.stderr
+    out = fourth.stdout + fourth.stderr
+    assert f"Set step-8 aside as {dump / 'checkpoint' / 'abandoned-step-8'}" in out and "Replacing" not in out, out
+    assert (dump / "checkpoint" / "abandoned-step-8" / ".metadata").is_file()

@@ -120,7 +120,24 @@ def test_corrupt_checkpoints_are_skipped_or_refused(tmp_path):
     assert r["step"] == 4  # the previous complete checkpoint
     logs = "\n".join(r["logs"])
     assert f"Skipping corrupt checkpoint {folder / 'step-6'}" in logs and victim.name in logs and "checksum" in logs
-    assert (folder / "step-6").is_dir() and victim.exists()  # nothing deleted
+    # nothing deleted: set aside, so that a later resume and retention never count it before this run's saves
+    assert not (folder / "step-6").exists() and (folder / "abandoned-step-6" / victim.name).exists()
+    assert "Set step-6 aside as" in logs
+    os.rename(folder / "abandoned-step-6", folder / "step-6")
+    # damage that no manifest shows (saved before checksums) but that breaks loading: skipped the same way
+    (folder / "step-6" / "manifest.json").rename(folder / "manifest.json")
+    tail = victim.read_bytes()
+    victim.write_bytes(tail[:-300] + bytes(300))
+    r = run_distributed(_resume_from, 2, tmp_path)[0]
+    logs = "\n".join(r["logs"])
+    assert r["step"] == 4 and f"Skipping corrupt checkpoint {folder / 'step-6'}: a saved item cannot be read" in logs
+    assert "Traceback" not in logs and "RANK" not in logs
+    os.rename(folder / "abandoned-step-6", folder / "step-6")
+    r = run_distributed(_resume_from, 2, tmp_path, "--checkpoint.load_step", "6")[0]
+    assert r["error"].startswith("checkpoint.load_step = 6: ") and "a saved item cannot be read" in r["error"]
+    assert "\n" not in r["error"] and "complete checkpoints there: 2, 4, 6" in r["error"]
+    victim.write_bytes(tail)
+    (folder / "manifest.json").rename(folder / "step-6" / "manifest.json")
     # an explicit load_step that is corrupt: one clear message
     r = run_distributed(_resume_from, 2, tmp_path, "--checkpoint.load_step", "6")[0]
     assert "checkpoint.load_step = 6" in r["error"] and "is corrupt" in r["error"] and victim.name in r["error"]
@@ -227,6 +244,30 @@ def _keep_load_step(tmp):
 @pytest.mark.slow
 def test_keep_latest_k_never_deletes_the_step_to_load(tmp_path):
     assert run_distributed(_keep_load_step, 2, tmp_path)[0] == ["step-2", "step-6"]
+
+
+def _resume_older_then_keep_one(tmp):
+    base = ckpt_argv(tmp, "--training.local_batch_size", "8", "--training.steps", "8", "--checkpoint.interval", "2")
+    make_trainer(base).train()  # step-2, 4, 6, 8
+    logs = capture_logs()
+    # back to step 4, saving every 3 steps up to 7 with keep_latest_k = 1: the old step-6 and step-8 are newer than
+    # anything this run saves, and retention counted them first (it removed this run's step-6 and step-7)
+    make_trainer(base + ["--checkpoint.load_step", "4", "--checkpoint.interval", "3", "--training.steps", "7",
+                         "--checkpoint.keep_latest_k", "1"]).train()  # fmt: skip
+    folders = sorted(p.name for p in (tmp / "checkpoint").iterdir() if "step" in p.name)
+    return {"folders": folders, "logs": list(logs), "next": make_trainer(base).step}
+
+
+@pytest.mark.slow
+def test_a_resume_from_an_older_step_sets_the_newer_ones_aside(tmp_path):
+    r = run_distributed(_resume_older_then_keep_one, 1, tmp_path)[0]
+    assert r["folders"] == ["abandoned-step-6", "abandoned-step-8", "step-4", "step-7"], r["folders"]
+    folder = tmp_path / "checkpoint"
+    assert (
+        f"Set step-8 aside as {folder / 'abandoned-step-8'}: it is newer than the step this run resumes from (4)"
+        in ("\n".join(r["logs"]))
+    )
+    assert r["next"] == 7  # a later resume goes on from this run's newest save, not the abandoned step-8
 
 
 # ----------------------------------------------------------------------------- 8. degenerate runs, 12. input gaps

@@ -20,6 +20,7 @@ from helpers import (
     run_distributed,
     run_module,
     subprocess_env,
+    tiny_argv,
     wait_for_endpoint,
 )
 
@@ -52,6 +53,10 @@ def _two_ranks(tmp, url):
     out = {"ref": make_trainer(base + OFF).train()}
     out["saved"] = make_trainer(base + s3 + ["--checkpoint.last_save_in_hf"]).train()
     out["after_save"], out["hf"] = _steps(url), [n for n in _objects(url) if n.startswith("hf-step-6/")]
+    from titanlite.storage import location
+
+    if os.environ["RANK"] == "0":  # rank 0 commits the last save after the others have returned
+        out["crc32"] = sorted(json.loads((location(url) / "step-6" / "manifest.json").read_text()).get("crc32", {}))
     t = make_trainer(base + s3 + ["--checkpoint.load_step", "4"])
     out["step"], out["resumed"] = t.step, t.train()
     out["after_resume"] = _steps(url)
@@ -86,9 +91,12 @@ def _one_rank(tmp, url, down_flag):
     out["b_resumed"] = t.train()  # saves step-4 and step-6 again over the bad ones
     out["b_after"] = _steps(b)
 
-    # c: the endpoint is down for the whole save of step 2 and while step 4 is committed; on_save_error = continue.
+    # c: saves every step; the endpoint is down for the whole save of step 2 and while step 4 is committed (step-1
+    # and step-3 are complete then); on_save_error = continue.
     c = f"{url}/c"
-    t = make_trainer(base + ["--checkpoint.folder", c, "--checkpoint.on_save_error", "continue"])
+    t = make_trainer(
+        base + ["--checkpoint.folder", c, "--checkpoint.on_save_error", "continue", "--checkpoint.interval", "1"]
+    )
     save, commit = t.checkpointer.save, t.checkpointer._commit
 
     def down_during(call, step_down):
@@ -133,6 +141,7 @@ def test_s3_checkpoints_resume_exactly_and_on_another_topology(tmp_path, s3, mon
     r = run_distributed(_two_ranks, 2, tmp_path, f"{url}/a")[0]
     assert r["saved"] == r["ref"]  # async saves to s3 do not touch training
     assert r["after_save"] == {"step-4": True, "step-6": True}  # keep_latest_k 2 removed step-2
+    assert r["crc32"] == ["__0_0.distcp", "__1_0.distcp"]  # computed as the async writer uploaded them
     assert "hf-step-6/config.json" in r["hf"] and "hf-step-6/model-00001-of-00001.safetensors" in r["hf"]
     assert r["step"] == 4 and r["resumed"] == {s: r["ref"][s] for s in (5, 6)}  # exact: bit-identical losses
     assert r["after_resume"] == {"step-4": True, "step-6": True}  # step-6 written again over the old one
@@ -155,7 +164,12 @@ def test_s3_checkpoints_resume_exactly_and_on_another_topology(tmp_path, s3, mon
     assert one["c_losses"] == one["ref"]
     assert len(one["c_errors"]) == 2, one["c_errors"]
     assert all("s3://" in m and "cannot be reached" in m for m in one["c_errors"]), one["c_errors"]
-    assert one["c_after"].get("step-6") is True and not one["c_after"].get("step-4") and "step-2" not in one["c_after"]
+    # what could not be done with the store down is said so, not guessed: the listing and the removal failed
+    for m in one["c_errors"]:
+        assert "which earlier checkpoint is intact is unknown" in m and "could not be listed" in m, m
+        assert "could not be removed" in m and "no earlier complete" not in m and "was removed" not in m, m
+    assert all(one["c_after"].get(f"step-{s}") for s in (1, 3, 5, 6)), one["c_after"]
+    assert not one["c_after"].get("step-2") and not one["c_after"].get("step-4")
     assert one["c_resumed_step"] == 6
 
     # Exports to and from s3: the same tensors as a local export, config.json uploaded; starts from s3 exact.
@@ -244,3 +258,49 @@ def test_remote_inputs_are_copied_once_per_machine_and_again_when_changed(tmp_pa
     cfg = load(["--lora.initial_adapter_path", str(adapter), "--checkpoint.initial_load_path", f"{url}/dcp"])
     stage_remote_inputs(cfg)
     assert cfg.lora.initial_adapter_path == str(first) and cfg.checkpoint.initial_load_path == f"{url}/dcp"
+
+
+def _multipart(tmp, url):
+    """The debug model's checkpoint (one shard of ~58 MB: a multipart upload in s3fs's 50 MiB parts) saved at steps 1
+    and 2; step-2's shard then copied with another part size, and then changed in place with its size kept."""
+    import fsspec
+
+    from titanlite.checkpoint.integrity import MANIFEST
+    from titanlite.storage import location
+
+    fs = fsspec.filesystem("s3", use_listings_cache=False)
+    argv = tiny_argv(tmp, "--model.flavor", "debugmodel", "--training.steps", "2", "--training.local_batch_size", "1",
+                     "--training.global_batch_size", "1", "--checkpoint.enable", "--checkpoint.interval", "1",
+                     "--checkpoint.folder", url)  # fmt: skip
+    make_trainer(argv).train()
+    shard = f"{url.removeprefix('s3://')}/step-2/__0_0.distcp"
+    manifest = json.loads((location(url) / "step-2" / MANIFEST).read_text())
+    out = {"etag": manifest["files"]["__0_0.distcp"][1], "crc32": manifest.get("crc32", {}), "size": fs.size(shard)}
+    logs = capture_logs()
+    data = fs.cat_file(shard)
+    with fs.open(shard, "wb", block_size=8 << 20) as f:  # a copy by another tool: the same bytes, other parts
+        f.write(data)
+    out["copied_etag"] = fs.info(shard)["ETag"]
+    out["copy_step"] = make_trainer(argv).step
+    changed = bytearray(data)
+    changed[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # inside a tensor's bytes: it still loads
+    fs.pipe_file(shard, bytes(changed))
+    out["changed_step"] = make_trainer(argv).step
+    out["logs"], out["steps"] = list(logs), _steps(url)
+    out["abandoned"] = sorted({n.split("/")[0] for n in _objects(url) if n.startswith("abandoned-")})
+    return out
+
+
+def test_s3_multipart_shards_are_checked_by_the_crc_of_their_bytes(tmp_path, s3, monkeypatch):
+    """A shard over 50 MiB is uploaded in parts, and its ETag depends on the part size: its CRC-32, computed as it was
+    written, is what a copy with other parts keeps and a change of its bytes does not."""
+    s3.use(monkeypatch)
+    r = run_distributed(_multipart, 1, tmp_path, f"{_prefix()}/m")[0]
+    assert r["size"] > 50 << 20 and r["etag"].endswith("-2"), r["etag"]  # two parts of 50 MiB
+    assert set(r["crc32"]) == {"__0_0.distcp"}
+    assert r["copied_etag"].strip('"') != r["etag"].removeprefix("etag:") and r["copy_step"] == 2  # read and accepted
+    logs = "\n".join(r["logs"])
+    assert r["changed_step"] == 1, logs  # not resumed from: the one before is
+    assert "Skipping corrupt checkpoint" in logs and "__0_0.distcp does not match its checksum" in logs
+    # the corrupt step-2 is set aside (copied within the store), so that this run's saves are never counted after it
+    assert r["abandoned"] == ["abandoned-step-2"] and r["steps"] == {"step-1": True}

@@ -7,6 +7,8 @@ check (docs/performance.md). 2.12, 2.14 and 2.15 are admitted but not tested her
 
 from __future__ import annotations
 
+import os
+import zlib
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -76,11 +78,43 @@ def consolidate_hf_safetensors():
     return consolidate_safetensors_files_on_every_rank
 
 
-def fsspec_writer(path: str, **kwargs):
-    """DCP's storage writer over fsspec (object storage): a public class in a private module."""
+def fsspec_writer(path: str, crcs: dict | None = None, **kwargs):
+    """DCP's storage writer over fsspec (object storage): a public class in a private module. crcs: filled with
+    {file name: CRC-32 of its bytes}, computed as they are written, for each file whose upload completed."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(path, **kwargs)
+    writer = FsspecWriter(path, **kwargs)
+    if crcs is None:
+        return writer
+    opened = writer.fs.create_stream  # what the writer's threads open every file with (FileSystemWriter._write_data)
+
+    @contextmanager
+    def create_stream(name, mode: str):
+        with opened(name, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            counted = _Crc32Writer(stream)
+            yield counted
+            counted.close()  # the upload completes here (a second close is a no-op)
+            crcs[os.path.basename(os.fspath(name))] = counted.crc
+
+    writer.fs.create_stream = create_stream
+    return writer
+
+
+class _Crc32Writer:
+    """A binary stream that keeps the CRC-32 of the bytes written through it."""
+
+    def __init__(self, raw):
+        self.raw, self.crc = raw, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self.raw.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
 
 
 def fsspec_reader_class():

@@ -75,15 +75,28 @@ def is_file(path) -> bool:
         return False
 
 
-def remove_tree(path) -> None:
-    """Remove a folder and everything in it (a prefix's objects); missing is fine, errors are ignored."""
+def remove_tree(path) -> BaseException | None:
+    """Remove a folder and everything in it (a prefix's objects); missing is fine. Never raises: the error when
+    something could not be removed (an endpoint that went away), else None."""
     if not is_remote(path):
-        shutil.rmtree(path, ignore_errors=True)
-        return
+        errors = []
+        shutil.rmtree(path, onerror=lambda func, name, info: errors.append(info[1]))
+        errors = [e for e in errors if not isinstance(e, FileNotFoundError)]
+        return errors[0] if errors else None
     try:
         path.fs.rm(path.path, recursive=True)
-    except Exception:  # missing, or the endpoint went away: a later save or the next start sees what is left
+    except FileNotFoundError:
         pass
+    except Exception as e:  # the endpoint went away: a later save or the next start sees what is left
+        return e
+    return None
+
+
+def copy_tree(path, target) -> None:
+    """Copy a remote folder's objects to the folder `target` in the same store (server-side: nothing is downloaded)."""
+    root, into = path.path.rstrip("/"), target.path.rstrip("/")
+    names = list(files_under(path))
+    path.fs.copy([f"{root}/{n}" for n in names], [f"{into}/{n}" for n in names])
 
 
 def fsync_folder(path: Path) -> None:
@@ -100,23 +113,29 @@ def fsync_folder(path: Path) -> None:
         os.close(fd)
 
 
-def dcp_writer(path):
-    """torch.distributed.checkpoint's storage writer for a folder: FileSystemWriter, or FsspecWriter for a URL."""
+def dcp_writer(path, crcs: dict | None = None):
+    """torch.distributed.checkpoint's storage writer for a folder: FileSystemWriter, or FsspecWriter for a URL (which
+    fills `crcs` with {file name: CRC-32} of the files it uploads, computed from the bytes as they are written)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     if not is_remote(path):
         return FileSystemWriter(path)
     from titanlite.compat import fsspec_writer
 
-    return fsspec_writer(str(path), sync_files=False)  # an object is durable once its upload returns
+    return fsspec_writer(str(path), crcs, sync_files=False)  # an object is durable once its upload returns
 
 
-def checksum(path) -> list:
-    """[size, checksum] of a file: CRC-32 of the bytes locally; on object storage the store's own digest (ETag,
-    or crc32c/md5) from one metadata request, so nothing is downloaded again to check it."""
+def checksum(path, crc: int | None = None, read_parts: bool = False) -> list:
+    """[size, checksum] of a file: CRC-32 of the bytes locally. On object storage [size, "etag:..."] (the store's own
+    digest, ETag or crc32c/md5, from one metadata request) and the CRC-32 of the bytes as a third item when known:
+    `crc`, computed as they were written, or with read_parts read back when the ETag is a multipart upload's (which
+    another part size changes)."""
     if not is_remote(path):
         return [path.stat().st_size, _crc(path)]
-    return _digest(path.fs.info(path.path))
+    size, digest = _digest(path.fs.info(path.path))
+    if crc is None and read_parts and digest is not None and "-" in digest:
+        crc = _crc(path)
+    return [size, digest] if crc is None else [size, digest, crc]
 
 
 def _digest(info: dict) -> list:
@@ -125,8 +144,10 @@ def _digest(info: dict) -> list:
     return [int(info["size"]), f"etag:{str(digest).strip(chr(34))}" if digest else None]
 
 
-def mismatch(path, size: int, recorded) -> str | None:
-    """What differs between a file and its manifest entry [size, checksum] (recorded None: the size only)."""
+def mismatch(path, size: int, recorded, crc: int | None = None) -> str | None:
+    """What differs between a file and its manifest entry: size, checksum (None: the size only) and the CRC-32 of an
+    object's bytes. An object whose digest is the recorded one is not read; one whose digest differs (another part
+    size: a copy by another tool, or a change) is read and its CRC-32 compared, when one was recorded."""
     try:  # one metadata request per object in object storage: its size and its digest
         now = _digest(path.fs.info(path.path)) if is_remote(path) else [path.stat().st_size, None]
     except FileNotFoundError:
@@ -134,16 +155,15 @@ def mismatch(path, size: int, recorded) -> str | None:
     actual = now[0]
     if actual != size:
         return f"{path.name} has {actual:,} bytes, not {size:,} (truncated?)"
-    if recorded is None or (isinstance(recorded, str) and not is_remote(path)):  # a local copy: sizes only
+    if recorded is None or (isinstance(recorded, str) and now[1] == recorded):
         return None
-    if isinstance(recorded, str):
-        digest = now[1]
-        if digest != recorded and (digest is None or "-" in digest or "-" in recorded):
-            return None  # a multipart upload's ETag depends on its part size: a copy by another tool is checked by size
-        same = digest == recorded
-    else:
-        same = _crc(path) == recorded
-    return None if same else f"{path.name} does not match its checksum (corrupted or replaced)"
+    if isinstance(recorded, int):
+        crc = recorded
+    elif crc is None:  # a manifest from before CRC-32s of objects were recorded
+        if not is_remote(path) or "-" in (now[1] or "-") or "-" in recorded:
+            return None  # a local copy, or a multipart upload's ETag (it depends on the part size): sizes only
+        return f"{path.name} does not match its checksum (corrupted or replaced)"
+    return None if _crc(path) == crc else f"{path.name} does not match its checksum (corrupted or replaced)"
 
 
 def _crc(path) -> int:

@@ -19,12 +19,22 @@ from pathlib import Path
 from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, load_metadata
 from titanlite.config import CHECKPOINT_PARTS, JobConfig
 from titanlite.errors import ConfigError
-from titanlite.storage import describe_failure, is_file, is_remote, is_url, location, remove_tree, storage_problem
+from titanlite.storage import (
+    copy_tree,
+    describe_failure,
+    is_file,
+    is_remote,
+    is_url,
+    location,
+    remove_tree,
+    storage_problem,
+)
 
 logger = logging.getLogger("titanlite")
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
+ABANDONED_PREFIX = "abandoned-step-"  # a full checkpoint newer than the one a run resumed from, set aside
 COMMITTED = ".committed"  # written last into a step folder: on object storage, what makes it complete
 
 
@@ -233,6 +243,29 @@ def remove_old(folder, keep_latest_k: int, load_step: int, saved_steps: set[int]
             remove_checkpoint(info.path)
             earlier = "" if info.step in saved_steps else "; written by an earlier run"
             logger.info(f"Removed old checkpoint {info.path} (checkpoint.keep_latest_k = {keep_latest_k}{earlier})")
+
+
+def set_aside_newer(folder, step: int) -> None:
+    """Move every full checkpoint newer than `step` (the one this run resumed from; -1: none) to
+    `abandoned-step-N`, which no resume and no retention counts: else a later resume would go back to them, and
+    keep_latest_k would count them as the newest and remove this run's own saves. Logged; raises when one cannot be
+    moved (in object storage a copy of its objects within the store, then their removal, commit marker first)."""
+    newer = [i for i in complete_checkpoints(folder) if i.step > step and set(CHECKPOINT_PARTS) <= i.parts]
+    for info in newer:
+        target, n = folder / f"{ABANDONED_PREFIX}{info.step}", 1
+        while target.exists():
+            n += 1
+            target = folder / f"{ABANDONED_PREFIX}{info.step}-{n}"
+        if is_remote(folder):
+            copy_tree(info.path, target)
+            remove_checkpoint(info.path)
+        else:
+            os.rename(info.path, target)
+        logger.warning(
+            f"Set {info.path.name} aside as {target}: it is newer than the step this run resumes from "
+            f"({step if step >= 0 else 'none'}), so a later resume would go back to it and keep_latest_k would count "
+            f"it before this run's saves; move it back to resume from it, or delete it"
+        )
 
 
 def remove_temporaries(folder) -> None:

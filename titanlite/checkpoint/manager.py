@@ -9,7 +9,9 @@ every rank's write results, then each rank records its files' checksums and rank
 config (`job_config.toml`), the model's shape (`model_args.json`), `manifest.json` and `.committed`. So a
 folder named `step-N` is always complete, and a resume can check it and say what changed since. In object
 storage (checkpoint.folder = "s3://..."), which cannot rename, the save goes to `step-N` itself and
-`.committed`, written last, is what makes it complete (catalog.py).
+`.committed`, written last, is what makes it complete (catalog.py). A resume from an older step sets the full
+checkpoints newer than it aside (`abandoned-step-N`), so that neither a later resume nor retention counts them
+before this run's saves.
 """
 
 from __future__ import annotations
@@ -33,14 +35,12 @@ from titanlite.checkpoint.catalog import (
     STEP_PREFIX,
     TMP_PREFIX,
     CheckpointInfo,
-    candidates,
     checkpoint_folder,
-    complete_checkpoints,
     describe_steps,
     read_metadata,
     remove_checkpoint,
     remove_old,
-    remove_temporaries,
+    set_aside_newer,
     wanted_parts,
 )
 from titanlite.checkpoint.consolidated import check_model_fits, model_shapes, saved_shapes
@@ -55,8 +55,9 @@ from titanlite.checkpoint.resume import (
     check_model_matches,
     check_same_optimizer,
     describe_changes,
-    problems_everywhere,
+    intact_checkpoints,
     saved_job_config,
+    unreadable,
 )
 from titanlite.checkpoint.safe_reading import UnsafeCheckpointError, safe_dcp_load
 from titanlite.config import CHECKPOINT_PARTS, JobConfig, to_toml
@@ -65,7 +66,7 @@ from titanlite.errors import CheckpointSaveError, ConfigError
 from titanlite.models.args import args_to_dict
 from titanlite.optim import optimizer_hyperparameters, peak_lrs
 from titanlite.runtime.run_control import LOCK_LOST, StopSignals
-from titanlite.storage import dcp_writer, fsync_folder, is_remote, location, remove_tree
+from titanlite.storage import dcp_writer, fsync_folder, is_remote, location
 
 logger = logging.getLogger("titanlite")
 
@@ -127,45 +128,45 @@ class CheckpointManager:
         """Resume from checkpoint.load_step or the newest complete, intact checkpoint; else start from
         checkpoint.initial_load_path if set (with LoRA: the base always, then the adapters of the checkpoint or of
         lora.initial_adapter_path). True when a checkpoint was resumed."""
-        info = self._choose() if self.enabled else None
+        intact = intact_checkpoints(self.folder, self.cfg.load_step, self.wanted) if self.enabled else iter(())
+        info = next(intact, None)
         if self.cfg.initial_load_path and (info is None or self.lora):
             load_initial_weights(self.model, location(self.cfg.initial_load_path))
-        if info is not None:
-            self._restore(info)
-        elif self.lora and self.job_cfg.lora.initial_adapter_path:
+        while info is not None and (damage := self._restore(info)) is not None:
+            failed, info = info, next(intact, None)  # every part it loaded is loaded again from the next one
+            if info is None:  # the state is half loaded: no fresh start from it either
+                if self.cfg.load_step >= 0:
+                    where = f"complete checkpoints there: {describe_steps(self.folder)}"
+                    raise ConfigError(
+                        f"checkpoint.load_step = {self.cfg.load_step}: {failed.path} is corrupt: {damage}; {where}"
+                    )
+                raise ConfigError(
+                    f"{failed.path} is corrupt: {damage}; there is no earlier intact checkpoint to resume from"
+                )
+            if self.rank == 0:
+                logger.warning(f"Skipping corrupt checkpoint {failed.path}: {damage}; trying the one before")
+        if info is None and self.lora and self.job_cfg.lora.initial_adapter_path:
             load_peft_adapter(self.model, self.job_cfg.lora.initial_adapter_path, self.job_cfg.lora)
         if self.enabled:  # from here on a stop signal is honoured at the end of a step (with a save)
+            self._set_aside_newer(info.step if info else -1)
             self.signals.install()
         return info is not None
 
-    def _choose(self) -> CheckpointInfo | None:
-        box: list = [[], None]  # rank 0 lists the candidates for everyone: (infos, error message)
+    def _set_aside_newer(self, step: int) -> None:
+        """Rank 0 moves the full checkpoints newer than the resumed step aside (catalog.set_aside_newer); ConfigError
+        on every rank when one cannot be: this run's saves could be the ones retention removes."""
+        box = [None]
         if self.rank == 0:
             try:
-                remove_temporaries(self.folder)
-                box[0] = candidates(self.folder, self.cfg.load_step, self.wanted)
-            except ConfigError as e:
-                box[1] = str(e)
+                set_aside_newer(self.folder, step)
+            except Exception as e:
+                box[0] = f"checkpoint.folder = {str(self.folder)!r}: {save_failure.cause_of(e, self.folder)}"
         dist.broadcast_object_list(box, src=0)
-        if box[1]:
-            raise ConfigError(box[1])
-        for info in box[0]:
-            problems = problems_everywhere(info.path)
-            if not problems:
-                return info
-            what = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
-            if self.cfg.load_step >= 0:
-                raise ConfigError(
-                    f"checkpoint.load_step = {self.cfg.load_step}: {info.path} is corrupt: {what}; "
-                    f"complete checkpoints there: {describe_steps(self.folder)}"
-                )
-            if self.rank == 0:
-                logger.warning(
-                    f"Skipping corrupt checkpoint {info.path}: {what}; trying the one before (nothing is deleted)"
-                )
-        return None
+        if box[0]:
+            raise ConfigError(f"{box[0]}; a checkpoint newer than the step resumed from could not be set aside")
 
-    def _restore(self, info: CheckpointInfo) -> None:
+    def _restore(self, info: CheckpointInfo) -> str | None:
+        """Load a checkpoint; what is damaged when a file of it cannot be read (resume.unreadable), else None."""
         t0 = time.perf_counter()
         check_lora_resume(info.path, self.job_cfg.lora, self.lora_base, self.model.args)
         if self.data_identity is not None:
@@ -190,6 +191,8 @@ class CheckpointManager:
         except UnsafeCheckpointError:
             raise
         except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+            if damage := unreadable(e):
+                return damage
             raise ConfigError(
                 f"{info.path} could not be loaded into this run ({type(e).__name__}: "
                 f"{str(e).strip()[:400]}); is it from another model or run?"
@@ -204,6 +207,7 @@ class CheckpointManager:
             f"in {time.perf_counter() - t0:.2f} s"
         )
         self._report_changes(info)
+        return None
 
     def _report_changes(self, info: CheckpointInfo) -> None:
         saved = saved_job_config(info.path)
@@ -261,12 +265,13 @@ class CheckpointManager:
         t0 = time.perf_counter()
         if is_remote(self.folder) and not self._all_ok((cleared := self._clear_old(step)) is None):
             return self._failed(step, cleared)
-        writer = dcp_writer(tmp)
+        crcs: dict[str, int] = {}  # of the objects uploaded, as the writer wrote them
+        writer = dcp_writer(tmp, crcs)
         if self._async_pg is None:
             error = None
             try:
                 dcp.save(state, storage_writer=writer)
-                write_rank_manifest(tmp, self.rank)
+                write_rank_manifest(tmp, self.rank, crcs)
             except (Exception, dcp.api.CheckpointException) as e:
                 error = e
             if not self._all_ok(error is None):  # also waits for every rank's manifest
@@ -276,7 +281,7 @@ class CheckpointManager:
             # FileSystemWriter stages synchronously (a CPU copy of every tensor) before async_save returns, so the
             # optimizer may change the live state at once; the write (and this rank's checksums) go on in a thread.
             written = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg)
-            self._pending = (step, _then(written, lambda: write_rank_manifest(tmp, self.rank)), t0)
+            self._pending = (step, _then(written, lambda: write_rank_manifest(tmp, self.rank, crcs)), t0)
             logger.info(
                 f"Checkpoint of step {step}: staged in {time.perf_counter() - t0:.2f} s, writing in the background"
             )
@@ -338,17 +343,10 @@ class CheckpointManager:
         dist.all_gather_object(everyone, flags)  # the cause as the ranks that failed saw it
         partial = 0 if is_remote(tmp) else save_failure.bytes_in(tmp)
         dist.barrier()  # everyone measured before rank 0 removes it
-        if self.rank == 0:
-            remove_tree(tmp)
-        message = save_failure.describe(
-            step,
-            self.folder,
-            tmp,
-            partial,
-            next((f[1] for f in everyone if f[1]), ""),
-            any(f[0] for f in everyone),
-            self._newest_complete(),
-        )
+        after = [save_failure.clean_up(tmp, self.folder) if self.rank == 0 else None]
+        dist.broadcast_object_list(after, src=0)
+        cause = next((f[1] for f in everyone if f[1]), "")
+        message = save_failure.describe(step, self.folder, partial, cause, any(f[0] for f in everyone), after[0])
         if self.cfg.on_save_error == "continue":
             logger.error(f"{message}; training goes on without it (checkpoint.on_save_error = 'continue')")
             return None
@@ -383,12 +381,11 @@ class CheckpointManager:
         try:
             self._seal(step, t0)
         except Exception as e:  # an I/O error or an object store that went away: the other ranks trained on
-            remove_tree(self._writing_folder(step))  # never resumed from either way; the next start finds less
-            previous = self._newest_complete()
-            intact = f"{previous.path.name} is intact" if previous else "no earlier complete checkpoint was found"
+            after = save_failure.clean_up(self._writing_folder(step), self.folder)  # never resumed from either way
             message = (
                 f"checkpoint of step {step} could not be committed in {self.folder} "
-                f"({save_failure.first_line(e, self.folder)}); it is never resumed from; {intact}"
+                f"({save_failure.first_line(e, self.folder)}); it is never resumed from; {after['removed']}; "
+                f"{after['intact']}"
             )
             if self.cfg.on_save_error == "continue":
                 logger.error(f"{message}; training goes on without it (checkpoint.on_save_error = 'continue')")
@@ -398,14 +395,6 @@ class CheckpointManager:
             remove_old(self.folder, self.cfg.keep_latest_k, self.cfg.load_step, self.saved_steps)
         except Exception as e:  # retention is tried again after the next save
             logger.warning(f"Old checkpoints in {self.folder} were not removed this time: {e}")
-
-    def _newest_complete(self) -> CheckpointInfo | None:
-        """The newest complete checkpoint, for failure messages (None also when the folder cannot be listed)."""
-        try:
-            complete = complete_checkpoints(self.folder)
-        except Exception:
-            return None
-        return complete[-1] if complete else None
 
     def _seal(self, step: int, t0: float) -> None:
         tmp, final = self._writing_folder(step), self.folder / f"{STEP_PREFIX}{step}"

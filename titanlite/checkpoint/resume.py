@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import tempfile
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
@@ -18,9 +21,13 @@ import torch.distributed as dist
 from titanlite.checkpoint.base_identity import fingerprint
 from titanlite.checkpoint.base_identity import read as read_lora_base
 from titanlite.checkpoint.catalog import (
+    CheckpointInfo,
+    candidates,
     checkpoint_folder,
+    describe_steps,
     newest_usable,
     read_metadata,
+    remove_temporaries,
     require_step,
     wanted_parts,
 )
@@ -59,6 +66,55 @@ def problems_everywhere(path: Path) -> list[str]:
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return [p for ranks in everyone for p in ranks]
+
+
+def intact_checkpoints(folder, load_step: int, wanted: set[str]) -> Iterator[CheckpointInfo]:
+    """The checkpoints a resume may use, best first, each checked against its manifest by every rank (call on every
+    rank, and take the next one on every rank together). A corrupt one is skipped with a warning (nothing is deleted);
+    one that load_step names is a ConfigError."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    box: list = [[], None]  # rank 0 lists the candidates for everyone: (infos, error message)
+    if rank == 0:
+        try:
+            remove_temporaries(folder)
+            box[0] = candidates(folder, load_step, wanted)
+        except ConfigError as e:
+            box[1] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise ConfigError(box[1])
+    for info in box[0]:
+        problems = problems_everywhere(info.path)
+        if not problems:
+            yield info
+            continue
+        what = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+        if load_step >= 0:
+            raise ConfigError(
+                f"checkpoint.load_step = {load_step}: {info.path} is corrupt: {what}; "
+                f"complete checkpoints there: {describe_steps(folder)}"
+            )
+        if rank == 0:
+            logger.warning(
+                f"Skipping corrupt checkpoint {info.path}: {what}; trying the one before (nothing is deleted)"
+            )
+
+
+def unreadable(error: BaseException) -> str | None:
+    """Why a load failed, in one line, when a checkpoint file's bytes are damaged (a saved item that does not unpickle
+    or unzip: corruption its manifest could not show); None for any other failure."""
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+    found = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else [error]
+    for e in found:
+        damaged = isinstance(e, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile)) or (
+            isinstance(e, RuntimeError) and any(w in str(e) for w in ("PytorchStreamReader", "zip archive"))
+        )
+        if damaged:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["damaged bytes"]
+            said = next((line for line in lines if line.startswith("WeightsUnpickler error")), lines[0])
+            return f"a saved item cannot be read ({type(e).__name__}: {said.split('. ')[0][:200]})"
+    return None
 
 
 def saved_model_args(path: Path) -> dict | None:

@@ -140,6 +140,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             with torch.serialization.safe_globals(_SAFE_BYTES_GLOBALS):
                 obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
+            if "GLOBAL" not in str(e):  # no type was refused: damaged bytes (resume.unreadable), not a hostile item
+                raise
             raise UnsafeCheckpointError(
                 f"{self.source}: the saved item {read_item.dest_index.fqn!r} holds {blocked_global(e)}, outside the "
                 "plain types titanlite saves: refused without running it"

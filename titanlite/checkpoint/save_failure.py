@@ -1,12 +1,14 @@
 """What a failed checkpoint save tells the user: the cause as the failing ranks saw it, the space a checkpoint
-needs and has (on a local disk), and which checkpoint is intact."""
+needs and has (on a local disk), whether the partial save was removed and which checkpoint is intact (or that the
+store could not be asked)."""
 
 from __future__ import annotations
 
 import errno
 import shutil
 
-from titanlite.storage import describe_failure, files_under, is_remote
+from titanlite.checkpoint.catalog import complete_checkpoints
+from titanlite.storage import describe_failure, files_under, is_remote, remove_tree
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -56,21 +58,52 @@ def bytes_in(folder) -> int:
         return 0
 
 
-def describe(step: int, folder, tmp, partial: int, cause: str, disk_full: bool, previous) -> str:
-    """The message of a failed save of `step` whose partial folder `tmp` (of `partial` bytes) was removed;
-    previous: the newest complete checkpoint (CheckpointInfo) or None."""
+def clean_up(tmp, folder) -> dict:
+    """Rank 0 after a failed save: remove the partial folder `tmp` and find the newest complete checkpoint. What
+    happened, as the failure message tells it (each ask of an unreachable store is reported, not guessed):
+    {"removed": ..., "intact": ..., "intact_bytes": size of the intact one on a local disk}."""
+    error = remove_tree(tmp)
+    if error is None:
+        removed = f"the partial {tmp.name} was removed"
+    else:
+        never = "it has no commit marker, so no resume uses it" if is_remote(tmp) else "the next start removes it"
+        removed = f"the partial {tmp.name} could not be removed ({cause_of(error, folder)}; {never})"
+    try:
+        complete = complete_checkpoints(folder)
+    except Exception as e:
+        return {
+            "removed": removed,
+            "intact": f"which earlier checkpoint is intact is unknown: {folder} could not be listed "
+            f"({cause_of(e, folder)})",
+            "intact_bytes": 0,
+        }
+    if not complete:
+        return {"removed": removed, "intact": "there is no earlier complete checkpoint", "intact_bytes": 0}
+    previous = complete[-1].path
+    return {
+        "removed": removed,
+        "intact": f"{previous.name} is intact and is where a relaunch resumes",
+        "intact_bytes": 0 if is_remote(folder) else bytes_in(previous),
+    }
+
+
+def cause_of(error: BaseException, folder) -> str:
+    """What went wrong, in one line, once (an error storage.describe_failure described already is not described
+    again)."""
+    if str(error).startswith("checkpoint.folder = "):  # described already (storage.describe_failure)
+        return str(error).split(": ", 1)[-1]
+    return first_line(error, folder)
+
+
+def describe(step: int, folder, partial: int, cause: str, disk_full: bool, after: dict) -> str:
+    """The message of a failed save of `step` whose partial folder held `partial` bytes; after: clean_up's account."""
     cause = "no space left on device" if disk_full else cause or "a write failed"
-    intact = (
-        f"{previous.path.name} is intact and is where a relaunch resumes"
-        if previous
-        else "there is no earlier complete checkpoint"
-    )
     space = ""
     if not is_remote(folder):  # object storage has no free space to compare with
-        needed = max(partial, bytes_in(previous.path) if previous else 0)
+        needed = max(partial, after["intact_bytes"])
         free = shutil.disk_usage(folder).free if folder.exists() else 0
         space = f"a checkpoint takes about {needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; "
     return (
-        f"checkpoint of step {step} could not be written to {folder} ({cause}); {space}the partial {tmp.name} was "
-        f"removed; {intact}"
+        f"checkpoint of step {step} could not be written to {folder} ({cause}); {space}{after['removed']}; "
+        + after["intact"]
     )
