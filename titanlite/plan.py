@@ -30,8 +30,8 @@ from titanlite.models.lora import apply_lora, resolve_targets
 from titanlite.models.nf4 import nf4_api, nf4_problem
 from titanlite.models.registry import model_args, model_class
 from titanlite.observe.wandb_tracker import wandb_problem
+from titanlite.parallel import ac, cp, ep, float8, fsdp, ft, pp, tp
 from titanlite.parallel import compile as compile_kind
-from titanlite.parallel import cp, ep, float8, fsdp, ft, pp, tp
 from titanlite.parallel.dims import ParallelDims
 from titanlite.runtime.run_control import check_lock_free
 
@@ -218,7 +218,7 @@ def locked_folders(cfg: JobConfig) -> dict[str, Path]:
 
 # Each kind of parallelism says why it cannot run a job (parallel/<kind>.py: problem(...) -> str | None), in this
 # order: the first problem found is the one reported.
-PARALLEL_KINDS = (fsdp, tp, ep, cp, float8, ft, pp, compile_kind)
+PARALLEL_KINDS = (fsdp, tp, ep, cp, float8, ft, pp, compile_kind, ac)
 
 
 def check_parallelism(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device_type: str | None, inference=False):
@@ -259,12 +259,6 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     check_parallelism(cfg, dims, args, device_type)
     check_lora(cfg, args)
     check_qlora(cfg, dims, args, device_type)
-    ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op" and int(ac.selective_ac_option) > args.n_layers:
-        raise ConfigError(
-            f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} checkpoints no "
-            f"block of the {args.n_layers}; valid: 'op' or an integer from 1 to {args.n_layers}"
-        )
     if problem := wandb_problem(cfg.metrics):
         raise ConfigError(problem)
     check_data(cfg, tokenizer)

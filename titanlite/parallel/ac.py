@@ -56,6 +56,19 @@ def _every_second_matmul_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+def problem(cfg, dims, args, device_type: str | None = None, inference: bool = False) -> str | None:
+    """Why [activation_checkpoint] cannot run on this model, or None (generation checkpoints nothing)."""
+    ac = cfg.activation_checkpoint
+    if inference or ac.mode != "selective" or ac.selective_ac_option == "op":
+        return None
+    if int(ac.selective_ac_option) > args.n_layers:
+        return (
+            f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} checkpoints no "
+            f"block of the {args.n_layers}; valid: 'op' or an integer from 1 to {args.n_layers}"
+        )
+    return None
+
+
 def checkpointed_blocks(num_blocks: int, ac_cfg) -> list[int]:
     """Indices of the transformer blocks that activation checkpointing wraps.
 
