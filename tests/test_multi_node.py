@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -134,17 +133,24 @@ def _left(dump: Path) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
+def _listening(port: int) -> bool:
+    """Whether a socket on this machine listens on port (read from /proc: a probe connection would reach the store)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
 @contextlib.contextmanager
 def _once_listening(port: int, started_job, timeout: float = 60):
-    """Enter started_job (a job(...)) once something listens on 127.0.0.1:port (the first node's rendezvous)."""
+    """Enter started_job (a job(...)) once something listens on port (the first node's rendezvous)."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, f"nothing listens on 127.0.0.1:{port}"
-            time.sleep(0.2)
+    while not _listening(port):
+        assert time.monotonic() < deadline, f"nothing listens on port {port}"
+        time.sleep(0.2)
     with started_job as proc:
         yield proc
 
