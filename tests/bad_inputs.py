@@ -5,7 +5,7 @@ A case is a `Case` in a `CASES` list of a `tests/test_bad_inputs*.py` module. `c
 prepares `tmp` with the case's setup, runs the command's `main(argv)` ("{tmp}" in an argument or an expected
 text is the case's folder), and asserts:
 - the exit status (2, a user error, unless the case says otherwise);
-- every expected text is in the output (the key, file or value the message must name);
+- every expected text is in the output (the key, file or value the message must name), and no absent text;
 - no traceback, and the message is printed once (its first expected text appears once);
 - nothing that was on disk changed: every file under tmp before the run is still there, same bytes, same mode.
 """
@@ -53,6 +53,7 @@ class Case:
     expect: tuple[str, ...]  # texts the output must hold ("{tmp}" is the case's folder)
     setup: Callable[[Path], None] | None = None  # prepares the case's folder
     code: int = 2
+    absent: tuple[str, ...] = ()  # texts the output must not hold (a secret, advice that would be wrong)
 
 
 def snapshot(root: Path) -> dict[str, tuple[str, int]]:
@@ -87,6 +88,8 @@ def check(case: Case, tmp: Path, capsys) -> None:
     for e in expected:
         assert e in text, f"{case.id}: {e!r} is not in the output\n{text}"
     assert text.count(expected[0]) == 1, f"{case.id}: the message is printed more than once\n{text}"
+    for e in case.absent:
+        assert e not in text, f"{case.id}: {e!r} is in the output\n{text}"
     after = snapshot(tmp)
     changed = [p for p, v in before.items() if after.get(p) != v]
     assert not changed, f"{case.id}: files on disk changed: {changed}"
