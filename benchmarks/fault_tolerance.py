@@ -24,100 +24,38 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from ft_chaos import chaos
+from ft_runs import ft_args, run_env, start_lighthouse, step_lines, tensors, torchrun, train_argv, worker_of
 
 import common
-
-ROOT = Path(__file__).resolve().parent.parent
-STEP = re.compile(r"step: +(\d+)  loss: +([\d.]+)  grad_norm: +([\d.]+).*?(?:replicas: (\d)/\d)?  elapsed")
-PACE = ROOT / "tests" / "faults"  # its sitecustomize paces steps (TITANLITE_STEP_PAUSE); test-only, like here
-
-
-def _env(pause: float = 0.0) -> dict:
-    path = [str(PACE)] if pause else []
-    env = {**os.environ, "TITANLITE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(path + [str(ROOT), os.environ.get("PYTHONPATH", "")])
-    if pause:
-        env["TITANLITE_STEP_PAUSE"] = str(pause)
-    return env
-
-
-def _torchrun(nproc: int, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", "localhost:0", "-m", "titanlite.train", *args]  # fmt: skip
-
-
-def _argv(dump: Path, steps: int, *extra) -> list[str]:
-    return ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", str(steps),
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps",
-            "2", "--training.global_batch_size", "8", "--training.local_batch_size", "2", "--job.dump_folder",
-            str(dump), "--checkpoint.enable", "--checkpoint.interval", str(steps), *extra]  # fmt: skip
-
-
-def _ft(group: int, lighthouse: str, *extra, groups: int = 2) -> list[str]:
-    return ["--fault_tolerance.enable", "true", "--fault_tolerance.group_count", str(groups),
-            "--fault_tolerance.replica_id", str(group), "--fault_tolerance.lighthouse", lighthouse,
-            "--fault_tolerance.timeout_seconds", "3", *extra]  # fmt: skip
-
-
-def _lighthouse():
-    from torchft._torchft import LighthouseServer
-
-    return LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50, heartbeat_timeout_ms=1500
-    )
-
-
-def _flat(tree, prefix="") -> dict:
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}").items()}
-    return {}
-
-
-def _tensors(folder: Path, part: str) -> dict:
-    """One part ("model", "optimizer") of a DCP checkpoint, every tensor by its dotted name, loaded here."""
-    sd: dict = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)  # fmt: skip
-    return _flat(sd[part])
-
-
-def _steps(text: str) -> list[tuple]:
-    return [(int(s), loss, norm, int(r or 0)) for s, loss, norm, r in STEP.findall(text)]
 
 
 def parity(opts, tmp: Path) -> list[str]:
     n = opts.group_size
     more = opts.overrides.split()
-    ref = subprocess.run(_torchrun(2 * n, *_argv(tmp / "hsdp", 10), *more,
-                                   "--parallelism.data_parallel_replicate_degree", "2"), env=_env(),
+    ref = subprocess.run(torchrun(2 * n, *train_argv(tmp / "hsdp", 10), *more,
+                                   "--parallelism.data_parallel_replicate_degree", "2"), env=run_env(),
                          capture_output=True, text=True)  # fmt: skip
     if ref.returncode:
         raise SystemExit(ref.stderr[-3000:])
-    lighthouse = _lighthouse()
+    lighthouse = start_lighthouse()
     try:
         logs = [tmp / f"parity{g}.log" for g in (0, 1)]
         procs = [
             subprocess.Popen(
-                _torchrun(
+                torchrun(
                     n,
-                    *_argv(tmp / f"parity{g}", 10),
-                    *_ft(g, lighthouse.address(), "--fault_tolerance.min_replicas", "2"),
+                    *train_argv(tmp / f"parity{g}", 10),
+                    *ft_args(g, lighthouse.address(), "--fault_tolerance.min_replicas", "2"),
                 ),
-                env=_env(),
+                env=run_env(),
                 stdout=open(log, "w"),
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -127,31 +65,18 @@ def parity(opts, tmp: Path) -> list[str]:
             raise SystemExit(logs[0].read_text()[-3000:])
     finally:
         lighthouse.shutdown()
-    want = sorted({s[:3] for s in _steps(ref.stdout + ref.stderr)})
-    hsdp = _tensors(tmp / "hsdp" / "checkpoint" / "step-10", "model")
+    want = sorted({s[:3] for s in step_lines(ref.stdout + ref.stderr)})
+    hsdp = tensors(tmp / "hsdp" / "checkpoint" / "step-10", "model")
     lines = [f"\nparity: two groups of {n} process(es) against replicate 2 x {n} in one job, 10 fp32 steps"
              f"{', ' + opts.overrides if more else ''}"]  # fmt: skip
     for g, log in enumerate(logs):
-        got = sorted({s[:3] for s in _steps(log.read_text())})
-        weights = _tensors(tmp / f"parity{g}" / "checkpoint" / "step-10", "model")
+        got = sorted({s[:3] for s in step_lines(log.read_text())})
+        weights = tensors(tmp / f"parity{g}" / "checkpoint" / "step-10", "model")
         diff = max((weights[k] - hsdp[k]).abs().max().item() for k in hsdp)
         lines.append(
             f"  group {g}: step lines equal: {got == want} ({len(got)} steps); largest weight difference {diff:.3g}"
         )
     return lines
-
-
-def _worker(pid: int) -> int:
-    for _ in range(200):
-        try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            kids = []
-        if kids:
-            return kids[-1]
-        time.sleep(0.05)
-    raise SystemExit("no worker started")
 
 
 def _wait(log: Path, pred, timeout: float = 180) -> float:
@@ -164,21 +89,21 @@ def _wait(log: Path, pred, timeout: float = 180) -> float:
 
 
 def kill(opts, tmp: Path) -> list[str]:
-    lighthouse = _lighthouse()
+    lighthouse = start_lighthouse()
     logs = [tmp / f"kill{g}.log" for g in (0, 1)]
-    env = _env(opts.pause)
+    env = run_env(opts.pause)
 
     def start(g, log):
-        cmd = _torchrun(1, *_argv(tmp / f"kill{g}", opts.steps), *_ft(g, lighthouse.address()))
+        cmd = torchrun(1, *train_argv(tmp / f"kill{g}", opts.steps), *ft_args(g, lighthouse.address()))
         return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     try:
         g0, g1 = start(0, logs[0]), start(1, logs[1])
-        _wait(logs[1], lambda t: sum(s[3] == 2 for s in _steps(t)) >= 3)
+        _wait(logs[1], lambda t: sum(s[3] == 2 for s in step_lines(t)) >= 3)
         killed = time.time()
-        os.kill(_worker(g1.pid), signal.SIGKILL)
+        os.kill(worker_of(g1.pid), signal.SIGKILL)
         g1.wait(timeout=60)
-        alone = _wait(logs[0], lambda t: (s := _steps(t)) and s[-1][3] == 1) - killed
+        alone = _wait(logs[0], lambda t: (s := step_lines(t)) and s[-1][3] == 1) - killed
         logs[1].rename(tmp / "kill1-first.log")
         launched = time.time()
         g1 = start(1, logs[1])
@@ -191,9 +116,9 @@ def kill(opts, tmp: Path) -> list[str]:
                 os.killpg(p.pid, signal.SIGKILL)
     same = {}
     for part in ("model", "optimizer"):
-        a, b = (_tensors(tmp / f"kill{g}" / "checkpoint" / f"step-{opts.steps}", part) for g in (0, 1))
+        a, b = (tensors(tmp / f"kill{g}" / "checkpoint" / f"step-{opts.steps}", part) for g in (0, 1))
         same[part] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    steps = [s[0] for s in _steps(logs[0].read_text())]
+    steps = [s[0] for s in step_lines(logs[0].read_text())]
     whole = steps == list(range(steps[0], opts.steps + 1))
     return [
         f"\nkill: groups of 1 process, {opts.steps} steps paced at {opts.pause} s, fault_tolerance.timeout_seconds 3, "
@@ -227,8 +152,6 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for part in opts.parts:
             if part == "chaos":
-                from ft_chaos import chaos  # it imports this module
-
                 print("\n".join(chaos(opts, Path(tmp))), flush=True)
                 continue
             print("\n".join({"parity": parity, "kill": kill}[part](opts, Path(tmp))), flush=True)

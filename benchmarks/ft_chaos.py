@@ -21,7 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import fault_tolerance as ft
+import ft_runs
 import torch
 
 FAILURES = ("kill the worker", "kill the launcher", "freeze the worker")
@@ -56,7 +56,7 @@ class Group:
         end = text.rfind("\n") + 1  # whole lines only
         self.offset += end
         now = time.time()
-        self.seen += [(now, self.attempt, s, r) for s, _, _, r in ft._steps(text[:end])]
+        self.seen += [(now, self.attempt, s, r) for s, _, _, r in ft_runs.step_lines(text[:end])]
 
     def kill(self) -> None:
         try:
@@ -92,13 +92,15 @@ def _hold(groups: list[Group], seconds: float) -> None:
 
 
 def _run(opts, tmp: Path, prefix: str, steps: int, failures: int) -> dict:
-    lighthouse = ft._lighthouse()
-    env = ft._env(opts.pause)
-    groups = [
-        Group(g, ft._torchrun(1, *ft._argv(tmp / f"{prefix}{g}", steps), *ft._ft(g, lighthouse.address(),
-              "--training.global_batch_size", str(2 * GROUPS), groups=GROUPS)), env, tmp, prefix)
+    lighthouse = ft_runs.start_lighthouse()
+    env = ft_runs.run_env(opts.pause)
+    batch = ("--training.global_batch_size", str(2 * GROUPS))
+    commands = [
+        ft_runs.torchrun(1, *ft_runs.train_argv(tmp / f"{prefix}{g}", steps),
+                         *ft_runs.ft_args(g, lighthouse.address(), *batch, groups=GROUPS))
         for g in range(GROUPS)
     ]  # fmt: skip
+    groups = [Group(g, command, env, tmp, prefix) for g, command in enumerate(commands)]
     rng, records = random.Random(opts.seed), []
 
     def all_live() -> bool:  # a step every group committed together, after the last injection
@@ -115,7 +117,7 @@ def _run(opts, tmp: Path, prefix: str, steps: int, failures: int) -> dict:
                 break
             victim, mode = groups[rng.randrange(GROUPS)], rng.choice(FAILURES)
             survivors = [grp for grp in groups if grp is not victim]
-            worker = ft._worker(victim.proc.pid)
+            worker = ft_runs.worker_of(victim.proc.pid)
             hit = time.time()
             if mode == "kill the worker":
                 os.kill(worker, signal.SIGKILL)
@@ -150,7 +152,7 @@ def _run(opts, tmp: Path, prefix: str, steps: int, failures: int) -> dict:
             live[s] = max(live.get(s, 0), r)
     same = {}
     for part in ("model", "optimizer"):
-        parts = [ft._tensors(tmp / f"{prefix}{g}" / "checkpoint" / f"step-{steps}", part) for g in range(GROUPS)]
+        parts = [ft_runs.tensors(tmp / f"{prefix}{g}" / "checkpoint" / f"step-{steps}", part) for g in range(GROUPS)]
         same[part] = all(p.keys() == parts[0].keys() and all(torch.equal(p[k], parts[0][k]) for k in p) for p in parts)
     shares = sum(live.values()) / (GROUPS * len(live))
     return dict(records=records, codes=codes, committed=committed, seconds=max(times) - min(times), same=same,
