@@ -18,6 +18,7 @@ from titanlite.checkpoint.hf_io import save_hf_sharded
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.compat import version_warning
 from titanlite.config import JobConfig, gradient_sync_mode
+from titanlite.config.compare import check_same_config
 from titanlite.data.build import build_loader
 from titanlite.data.counted import no_counted_tokens
 from titanlite.dtypes import TORCH_DTYPES
@@ -38,11 +39,10 @@ from titanlite.parallel.ft import data_slice
 from titanlite.parallel.ft_diloco import outer_optimizer, replica_groups
 from titanlite.parallel.pp import Pipeline
 from titanlite.plan import locked_folders, validate_for_world
-from titanlite.runtime.distributed import init_distributed, pick_device, set_seed, world_size_from_env
+from titanlite.runtime.distributed import gather_objects, init_distributed, pick_device, set_seed, world_size_from_env
 from titanlite.runtime.exit_status import record_end
 from titanlite.runtime.hang_watch import HangWatch
 from titanlite.runtime.run_control import guard_run, release_all
-from titanlite.runtime.same_config import check_same_config
 from titanlite.sizing.flops import flops_per_token
 from titanlite.storage import describe_failure, is_remote, remove_tree, upload
 from titanlite.validate import Validator
@@ -74,7 +74,7 @@ class Trainer:
         self.global_batch_size, self.model_args = plan.global_batch_size, plan.model_args
 
         self.env = init_distributed(cfg.training.hang_timeout_seconds)
-        check_same_config(cfg)  # before any collective that another rank's settings could break
+        check_same_config(cfg, gather_objects)  # before any collective that another rank's settings could break
         self.device = self.env.device
         self.hang = HangWatch(
             cfg.job.dump_folder, self.env.rank, self.env.world_size, cfg.training.hang_timeout_seconds

@@ -1,13 +1,19 @@
 """Two or more runs' settings compared key by key: each setting as canonical text by 'section.key', a digest of them
-all, and the keys that differ named with their values. The ranks of one job (titanlite/runtime/same_config.py) and
-the replica groups of a fault-tolerant job (titanlite/parallel/ft.py) compare through it. No torch here."""
+all, and the keys that differ named with their values. The ranks of one job (check_same_config) and the replica
+groups of a fault-tolerant job (titanlite/parallel/ft.py) compare through it. No torch here."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+
+from titanlite.errors import ConfigError
 
 MAX_KEYS = 6  # a message names this many differing keys, then counts the rest
+# Keys that may differ between the nodes of one job: where each node's config file lies (its values are compared), and
+# what only rank 0 shows. Paths that the ranks read or write (data, checkpoints, the dump folder) must be the same.
+NODE_LOCAL = ("job.config_file", "job.description", "job.print_config")
 
 
 def canonical(flat: dict) -> dict[str, str]:
@@ -72,3 +78,17 @@ def describe_by_rank(settings_by_rank: list[dict[str, str]]) -> str:
             parts.append(f"{key} ({', '.join(f'{_shown(v)} on {_ranks(r)}' for v, r in by_value.items())})")
     more = f" and {len(parts) - MAX_KEYS} more" if len(parts) > MAX_KEYS else ""
     return ", ".join(parts[:MAX_KEYS]) + more
+
+
+def check_same_config(cfg, gather: Callable[[object], list]) -> None:
+    """ConfigError on every rank, naming each key whose value differs between the ranks with the ranks that hold each
+    value, when their resolved configurations differ; gather(obj): every rank's obj, in rank order (a collective that
+    every rank calls, e.g. runtime.distributed.gather_objects). A digest is compared first."""
+    mine = flat_settings(cfg, skip=NODE_LOCAL)
+    if len(set(gather(digest(mine)))) == 1:
+        return
+    raise ConfigError(
+        f"the ranks of this job were started with different configurations: {describe_by_rank(gather(mine))}; start "
+        "every node with the same config file and overrides (run_train.sh's CONFIG_FILE or --config, and its "
+        "--section.key arguments)"
+    )

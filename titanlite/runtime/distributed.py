@@ -118,6 +118,15 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def gather_objects(obj) -> list:
+    """Every rank's obj, in rank order ([obj] without a process group); a collective every rank calls."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a one-machine rendezvous)."""
     with socket.socket() as s:

@@ -9,12 +9,12 @@ under tensor parallelism, as are the heads and the FFN's hidden size):
     norms (2, over dim)   fp32 input and x/rms, the output, fp32 1/rms
     qk-norm (Qwen3)       fp32 input and x/rms over q and k, fp32 1/rms per head
     no AC                 norms + (2*q + 2*kv + 4*ffn) * a + fp32 logsumexp per head
-                          (q, k, v, the attention output; w1, silu, w3 and their product)
+                          (q, k, v, the attention output; the gate and up projections, silu and their product)
     full AC               dim * a (the block's input)
     selective 'op'        (3*dim + 2*q + 2*kv + 2*ffn) * a + logsumexp: the input and every matmul
-                          output (q/k/v, attention, wo, w1/w3, w2)
+                          output (q/k/v, attention, out, gate/up, down)
     'op', every second    (2*dim + 2*q + kv + ffn) * a + logsumexp: the input, attention and the 1st,
-      matmul              3rd, ... matmul output (q, v, w1, w2); k, wo and w3 are recomputed
+      matmul              3rd, ... matmul output (q, v, gate, down); k, out and up are recomputed
 
 Each of 'none', 'op' and 'op_every_second' is a sum of parts: the norms (no AC only) or the block's input (the
 others), attention (attention_parts: plain, with sinks, or multi-head latent attention), the FFN (dense_ffn_parts or
@@ -137,8 +137,8 @@ def mla_parts(args, s: RankShare, cp: int) -> tuple[tuple[float, float, float], 
 
 
 def dense_ffn_parts(args, s: RankShare) -> tuple[float, float, float]:
-    """A dense FFN per MODES: w1, silu, w3 and their product (no AC); w1/w3, w2 and the whole-sequence output before
-    the reduce-scatter ('op'); w1 and w2 ('op', every second)."""
+    """A dense FFN per MODES: the gate and up projections, silu and their product (no AC); gate/up, down and the
+    whole-sequence output before the reduce-scatter ('op'); gate and down ('op', every second)."""
     d, ffn, a = args.dim, s.ffn, s.a
     return 4 * ffn * a, (2 * d + 2 * ffn) * a, (d + ffn) * a
 
@@ -150,7 +150,7 @@ def moe_ffn_parts(args, s: RankShare) -> tuple[float, float, float]:
         no AC                 fp32 router input and probabilities (4*dim + 4*E), the top_k slots' indices and
                               weights, and the experts' (expert_activation_bytes)
         selective 'op'        the FFN's input, the router's logits and the grouped matmuls' outputs
-        'op', every second    the router's logits (5th matmul of the block) and w3's output (7th)
+        'op', every second    the router's logits (5th matmul of the block) and the up projection's output (7th)
     """
     d, e, a, tp = args.dim, args.n_experts, s.a, s.tp
     experts = expert_activation_bytes(args, a, tp)
@@ -166,8 +166,8 @@ def moe_ffn_parts(args, s: RankShare) -> tuple[float, float, float]:
 def expert_activation_bytes(args, act_bytes: int, tp: int = 1) -> dict[str, float]:
     """Of an MoE block's bytes, those per token the experts keep (on the rank that holds them: with expert
     parallelism a rank keeps them for the tokens it receives, top_k per routed token on average): per slot the
-    experts' input, w1, silu, w3 outputs and their product, and the output (gpt-oss's clamped SwiGLU: 5*h, its inputs
-    and two temporaries of its backward)."""
+    experts' input, the gate and up projections' outputs, silu and their product, and the output (gpt-oss's clamped
+    SwiGLU: 5*h, its inputs and two temporaries of its backward)."""
     k, h, d, a = args.top_k, args.moe_hidden_dim, args.dim, act_bytes
     return {
         "none": k * a * (2 * d + (5 if args.swiglu_limit else 4) * h + 1) / tp,
