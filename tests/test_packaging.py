@@ -119,7 +119,7 @@ LAYERS = [
         "models.hf_routing",
     ),
     ("*",),  # components: models, data, checkpoint, parallel, metrics, ...
-    ("plan",),
+    ("plan", "generation_plan"),  # the checks of a training run, and the plan of a generation run
     ("trainer",),
     ("cli",),
     ("train", "generate", "dry_run", "config.__main__", "checkpoint.__main__", "data.__main__"),  # shims
