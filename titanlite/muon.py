@@ -182,3 +182,23 @@ def muon_hyperparameters(opt_cfg) -> dict:
         "adjust_lr": opt_cfg.muon_adjust_lr,
         "distribution": opt_cfg.muon_newton_schulz,
     }
+
+
+def muon_problem(cfg) -> str | None:
+    """Why optimizer.name = "Muon" cannot train this job, or None: with CPU offload (every Newton-Schulz would run on
+    the host) or with LoRA (an adapter trains two thin factors of a matrix)."""
+    if cfg.optimizer.name.lower() != "muon":
+        return None
+    if cfg.training.enable_cpu_offload:
+        return (
+            f"optimizer.name = {cfg.optimizer.name!r} with training.enable_cpu_offload = true is not supported: the "
+            "optimizer step runs on the host there, and Muon's Newton-Schulz of every matrix with it; use AdamW, or "
+            "turn the offload off"
+        )
+    if cfg.lora.enable:
+        return (
+            f"optimizer.name = {cfg.optimizer.name!r} with lora.enable = true is not supported: Muon orthogonalises "
+            "whole weight matrices, and a LoRA adapter trains two thin factors of one; use optimizer.name = 'AdamW' "
+            "for adapters"
+        )
+    return None

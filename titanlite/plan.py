@@ -26,9 +26,10 @@ from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
-from titanlite.models.lora import apply_lora, resolve_targets
-from titanlite.models.nf4 import nf4_api, nf4_problem
+from titanlite.models.lora import apply_lora, lora_problem
+from titanlite.models.nf4 import qlora_problem
 from titanlite.models.registry import model_args, model_class
+from titanlite.muon import muon_problem
 from titanlite.observe.wandb_tracker import wandb_problem
 from titanlite.parallel import ac, cp, ep, float8, fsdp, ft, pp, tp
 from titanlite.parallel import compile as compile_kind
@@ -74,98 +75,15 @@ def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in frozen}
 
 
-def check_lora(cfg: JobConfig, args: ModelArgs) -> None:
-    """ConfigError when [lora] cannot train this model: no base to start from, a target the model lacks, a base
-    dtype that FSDP cannot gather with the adapters, an adapter folder that does not match, a last save that
-    would drop the adapters, or Muon as the optimizer."""
-    if cfg.training.enable_cpu_offload and cfg.optimizer.name.lower() == "muon":
-        raise ConfigError(
-            f"optimizer.name = {cfg.optimizer.name!r} with training.enable_cpu_offload = true is not supported: the "
-            "optimizer step runs on the host there, and Muon's Newton-Schulz of every matrix with it; use AdamW, or "
-            "turn the offload off"
-        )
-    if cfg.lora.enable and cfg.optimizer.name.lower() == "muon":
-        raise ConfigError(
-            f"optimizer.name = {cfg.optimizer.name!r} with lora.enable = true is not supported: Muon orthogonalises "
-            "whole weight matrices, and a LoRA adapter trains two thin factors of one; use optimizer.name = 'AdamW' "
-            "for adapters"
-        )
-    lora = cfg.lora
-    if not lora.enable:
-        if lora.initial_adapter_path:
-            raise ConfigError(
-                f"lora.initial_adapter_path = {lora.initial_adapter_path!r} is set but lora.enable = false; "
-                "set lora.enable = true to train (or continue) those adapters"
-            )
-        return
-    if not cfg.checkpoint.initial_load_path:
-        raise ConfigError(
-            "lora.enable = true trains adapters on a frozen base, but checkpoint.initial_load_path = '' gives none "
-            "(the base would be random weights); set it to the base model: a HuggingFace folder, a step-N "
-            "checkpoint or a consolidated file"
-        )
-    try:
-        roles = resolve_targets(list(lora.targets), args)
-    except ValueError as e:
-        raise ConfigError(f"lora.targets = {lora.targets}: {e}") from None
-    if lora.dropout and (experts := [r for r in roles if r.startswith("experts.")]):
-        raise ConfigError(
-            f"lora.dropout = {lora.dropout} with adapters on the experts ({', '.join(experts)}): an expert's input is "
-            "not factored out of its grouped matmul, so its adapters take no dropout (as peft's); set lora.dropout = 0"
-        )
-    if lora.base_dtype == "bfloat16" and cfg.training.mixed_precision_param != "bfloat16":
-        raise ConfigError(
-            "lora.base_dtype = 'bfloat16' keeps the frozen base in bfloat16, which FSDP gathers with the float32 "
-            f"adapters only when both are cast to one dtype; training.mixed_precision_param = "
-            f"{cfg.training.mixed_precision_param!r} would not cast them: set it to 'bfloat16', or lora.base_dtype "
-            "= 'float32'"
-        )
-    if cfg.checkpoint.last_save_in_hf:
-        raise ConfigError(
-            "checkpoint.last_save_in_hf = true writes the base weights without the adapters under LoRA; set it to "
-            "false and export the checkpoint: python -m titanlite.checkpoint export --format peft (the adapters) "
-            "or --format hf (merged)"
-        )
-    if lora.initial_adapter_path:
-        check_peft_folder(Path(lora.initial_adapter_path).expanduser(), lora, args)
-
-
-def check_qlora(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device_type: str | None) -> None:
-    """ConfigError when lora.base_dtype = 'nf4' cannot hold this run's base: no torchao (not asked of the dry run,
-    which sizes it without), tensor parallelism, CPU offload, a partial reshard, or block sizes that do not divide a
-    weight's share."""
-    lora = cfg.lora
-    if not (lora.enable and lora.base_dtype == "nf4"):
-        return
-    if device_type is not None:
-        nf4_api()  # torchao installed
-    if cfg.training.enable_cpu_offload:
-        raise ConfigError(
-            "lora.base_dtype = 'nf4' with training.enable_cpu_offload = true is not supported: FSDP leaves the 4-bit "
-            "weights alone on a shard group of one rank, where offloading would leave them on the host, and the "
-            "offloaded NF4 path has not run on a GPU; set enable_cpu_offload = false (the 4-bit base is small)"
-        )
-    reshard = cfg.parallelism.fsdp_reshard_after_forward
-    if reshard.isdigit() and 1 < int(reshard) < dims.fsdp_size:
-        raise ConfigError(
-            f"lora.base_dtype = 'nf4' with parallelism.fsdp_reshard_after_forward = {reshard!r} is not supported: "
-            "FSDP2 reshards to a smaller group only the weights it gathers as one tensor, and an NF4 weight is "
-            "gathered as three; use 'default', 'always' or 'never'"
-        )
-    if dims.tp > 1:
-        raise ConfigError(
-            f"lora.base_dtype = 'nf4' with parallelism.tensor_parallel_degree = {dims.tp} is not supported: "
-            "torchao's NF4 tensor is split by rows for FSDP only (a row-parallel projection splits its columns); "
-            "set tensor_parallel_degree = 1, or lora.base_dtype = 'bfloat16'"
-        )
-    if lora.nf4_block_size % 2:
-        raise ConfigError(
-            f"lora.nf4_block_size = {lora.nf4_block_size}: NF4 packs two 4-bit codes per byte, so a block holds an "
-            "even number of weights; valid: an even number > 0 (QLoRA's 64)"
-        )
-    with torch.device("meta"):
-        model = model_class(cfg.model.name)(args)
-    if problem := nf4_problem(model, dims.fsdp_size, lora.nf4_block_size, lora.nf4_scaler_block_size):
+def check_adapters_and_optimizer(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device_type: str | None):
+    """ConfigError with the first problem of Muon, LoRA (and its adapter folder) or QLoRA with this job (device_type
+    None: the dry run, which does not ask for torchao)."""
+    for problem in (muon_problem(cfg), lora_problem(cfg, args)):
+        if problem:
+            raise ConfigError(problem)
+    if cfg.lora.enable and cfg.lora.initial_adapter_path:
+        check_peft_folder(Path(cfg.lora.initial_adapter_path).expanduser(), cfg.lora, args)
+    if problem := qlora_problem(cfg, dims, args, installed=device_type is not None):
         raise ConfigError(problem)
 
 
@@ -257,8 +175,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     if folder is not None:
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
     check_parallelism(cfg, dims, args, device_type)
-    check_lora(cfg, args)
-    check_qlora(cfg, dims, args, device_type)
+    check_adapters_and_optimizer(cfg, dims, args, device_type)
     if problem := wandb_problem(cfg.metrics):
         raise ConfigError(problem)
     check_data(cfg, tokenizer)

@@ -326,3 +326,47 @@ def merge_adapters(model: nn.Module) -> None:
             m.lora_b.weight.zero_()
     for unit in model.expert_units() if hasattr(model, "expert_units") else ():
         merge_expert_adapters(unit)
+
+
+def lora_problem(cfg, args: ModelArgs) -> str | None:
+    """Why [lora] cannot train this model, or None: an adapter folder without lora.enable, no base to start from, a
+    target the model lacks, dropout on the experts' adapters, a base dtype that FSDP cannot gather with the adapters,
+    or a last save that would drop the adapters (the adapter folder itself is checked against the model by
+    checkpoint.lora_io.check_peft_folder)."""
+    lora = cfg.lora
+    if not lora.enable:
+        if lora.initial_adapter_path:
+            return (
+                f"lora.initial_adapter_path = {lora.initial_adapter_path!r} is set but lora.enable = false; "
+                "set lora.enable = true to train (or continue) those adapters"
+            )
+        return None
+    if not cfg.checkpoint.initial_load_path:
+        return (
+            "lora.enable = true trains adapters on a frozen base, but checkpoint.initial_load_path = '' gives none "
+            "(the base would be random weights); set it to the base model: a HuggingFace folder, a step-N "
+            "checkpoint or a consolidated file"
+        )
+    try:
+        roles = resolve_targets(list(lora.targets), args)
+    except ValueError as e:
+        return f"lora.targets = {lora.targets}: {e}"
+    if lora.dropout and (experts := [r for r in roles if r.startswith("experts.")]):
+        return (
+            f"lora.dropout = {lora.dropout} with adapters on the experts ({', '.join(experts)}): an expert's input is "
+            "not factored out of its grouped matmul, so its adapters take no dropout (as peft's); set lora.dropout = 0"
+        )
+    if lora.base_dtype == "bfloat16" and cfg.training.mixed_precision_param != "bfloat16":
+        return (
+            "lora.base_dtype = 'bfloat16' keeps the frozen base in bfloat16, which FSDP gathers with the float32 "
+            f"adapters only when both are cast to one dtype; training.mixed_precision_param = "
+            f"{cfg.training.mixed_precision_param!r} would not cast them: set it to 'bfloat16', or lora.base_dtype "
+            "= 'float32'"
+        )
+    if cfg.checkpoint.last_save_in_hf:
+        return (
+            "checkpoint.last_save_in_hf = true writes the base weights without the adapters under LoRA; set it to "
+            "false and export the checkpoint: python -m titanlite.checkpoint export --format peft (the adapters) "
+            "or --format hf (merged)"
+        )
+    return None

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.errors import ConfigError
+from titanlite.models.registry import model_class
 
 _NF4_TENSOR = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 _NOT_QUANTIZED = ("router",)  # a router's few weights decide the routing: kept in full precision, as its bias
@@ -165,3 +166,44 @@ def nf4_problem(model: nn.Module, shards: int, block_size: int, scaler_block_siz
                 "does not split weights), or a smaller lora.nf4_scaler_block_size"
             )
     return None
+
+
+def qlora_problem(cfg, dims, args, installed: bool = True) -> str | None:
+    """Why lora.base_dtype = 'nf4' cannot hold this run's base, or None: no torchao (installed=False: not asked, as
+    of the dry run, which sizes it without), CPU offload, a partial reshard, tensor parallelism, an odd block size, or
+    a weight whose blocks the FSDP degree cannot split (nf4_problem). dims: the run's ParallelDims."""
+    lora = cfg.lora
+    if not (lora.enable and lora.base_dtype == "nf4"):
+        return None
+    if installed:
+        try:
+            nf4_api()
+        except ConfigError as e:
+            return str(e)
+    if cfg.training.enable_cpu_offload:
+        return (
+            "lora.base_dtype = 'nf4' with training.enable_cpu_offload = true is not supported: FSDP leaves the 4-bit "
+            "weights alone on a shard group of one rank, where offloading would leave them on the host, and the "
+            "offloaded NF4 path has not run on a GPU; set enable_cpu_offload = false (the 4-bit base is small)"
+        )
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    if reshard.isdigit() and 1 < int(reshard) < dims.fsdp_size:
+        return (
+            f"lora.base_dtype = 'nf4' with parallelism.fsdp_reshard_after_forward = {reshard!r} is not supported: "
+            "FSDP2 reshards to a smaller group only the weights it gathers as one tensor, and an NF4 weight is "
+            "gathered as three; use 'default', 'always' or 'never'"
+        )
+    if dims.tp > 1:
+        return (
+            f"lora.base_dtype = 'nf4' with parallelism.tensor_parallel_degree = {dims.tp} is not supported: "
+            "torchao's NF4 tensor is split by rows for FSDP only (a row-parallel projection splits its columns); "
+            "set tensor_parallel_degree = 1, or lora.base_dtype = 'bfloat16'"
+        )
+    if lora.nf4_block_size % 2:
+        return (
+            f"lora.nf4_block_size = {lora.nf4_block_size}: NF4 packs two 4-bit codes per byte, so a block holds an "
+            "even number of weights; valid: an even number > 0 (QLoRA's 64)"
+        )
+    with torch.device("meta"):
+        model = model_class(cfg.model.name)(args)
+    return nf4_problem(model, dims.fsdp_size, lora.nf4_block_size, lora.nf4_scaler_block_size)
