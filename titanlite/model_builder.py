@@ -64,68 +64,86 @@ def lora_base_dtype(cfg: JobConfig) -> torch.dtype:
 
 
 def build_model(cfg: JobConfig, args, meshes: Meshes | None, *, inference: bool = False) -> BuiltModel:
-    """The model of `cfg` with shape `args` on the meta device, parallelised over `meshes` (None: not sharded).
+    """The model of `cfg` with shape `args` on the meta device, parallelised over `meshes` (None: not sharded), for
+    training or for inference (generation); see build_for_training and build_for_inference."""
+    return (build_for_inference if inference else build_for_training)(cfg, args, meshes)
 
-    Training applies [float8] linears (parallel/float8.py), tensor parallelism (a "tp" mesh dimension: torchao's
-    float8 styles for tensorwise float8 linears), [lora] adapters (models/lora.py: the base frozen),
-    expert parallelism (an MoE model's experts over the expert mesh's "ep" ranks), context parallelism,
-    [activation_checkpoint], [compile] and FSDP with the configured reshard policy on the data-parallel sub-mesh (the
-    experts on the expert mesh); inference applies tensor parallelism without sequence or loss parallelism, the
-    adapters (unmerged) and FSDP, resharding every block after its forward.
-    """
-    with torch.device("meta"):
-        model = model_class(cfg.model.name)(args)
-    dp_mesh, tp_mesh = (meshes.data_parallel, meshes.tp) if meshes is not None else (None, None)
+
+def build_for_training(cfg: JobConfig, args, meshes: Meshes | None) -> BuiltModel:
+    """[float8] linears (parallel/float8.py), tensor parallelism (a "tp" mesh dimension: torchao's float8 styles for
+    tensorwise float8 linears), [lora] adapters (models/lora.py: the base frozen, in 4 bits with nf4), expert
+    parallelism (an MoE model's experts over the expert mesh's "ep" ranks), context parallelism,
+    [activation_checkpoint], [compile], this rank's pipeline stages, and FSDP with the configured reshard policy on the
+    data-parallel sub-mesh (the experts on the expert mesh), in that order."""
+    model, tp_mesh = _on_meta(cfg, args), meshes.tp if meshes is not None else None
     tp = 1 if tp_mesh is None else tp_mesh.size()
-    float8 = 0
-    if cfg.float8.enable and not inference:  # before TP (its float8 styles), AC, compile and FSDP
-        float8 = apply_float8(model, cfg.float8, tp)
+    float8 = apply_float8(model, cfg.float8, tp) if cfg.float8.enable else 0  # before TP (its float8 styles)
     if tp_mesh is not None:
-        p = cfg.parallelism
-        apply_tp(
-            model,
-            tp_mesh,
-            cfg.model.name,
-            sequence_parallel=p.enable_sequence_parallel and not inference,
-            loss_parallel=p.enable_loss_parallel and not inference,
-            inference=inference,
-            float8_tensorwise=bool(float8) and cfg.float8.recipe == "tensorwise",
-        )
+        p, tensorwise = cfg.parallelism, bool(float8) and cfg.float8.recipe == "tensorwise"
+        apply_tp(model, tp_mesh, cfg.model.name, sequence_parallel=p.enable_sequence_parallel,
+                 loss_parallel=p.enable_loss_parallel, inference=False, float8_tensorwise=tensorwise)  # fmt: skip
     if cfg.lora.enable:  # adapters follow the tensor-parallel split of their projections; the rest is frozen
-        apply_lora(model, cfg.lora, base_dtype=None if inference else lora_base_dtype(cfg))
-        if cfg.lora.base_dtype == "nf4" and not inference:  # QLoRA: FSDP then splits the 4-bit weights by rows
+        apply_lora(model, cfg.lora, base_dtype=lora_base_dtype(cfg))
+        if cfg.lora.base_dtype == "nf4":  # QLoRA: FSDP then splits the 4-bit weights by rows
             quantize_base(model, cfg.lora.nf4_block_size, cfg.lora.nf4_scaler_block_size, lora_base_dtype(cfg))
-    if args.moe:
-        model.set_load_balance("none" if inference else cfg.moe.load_balance)
-        if meshes is not None:
-            apply_ep(model, meshes.expert, tp=tp)
-    if not inference:  # context parallelism: each rank computes its chunks of every sequence (generation: none)
-        apply_cp(model, meshes)
-    if not inference:
-        model.loss_chunk_tokens = chunked_loss_tokens(cfg, tp)
-    ac_blocks = [] if inference else apply_ac(model, cfg.activation_checkpoint)
-    compiled = 0 if inference else apply_compile(model, cfg.compile)
-    built = BuiltModel(model=model, ac_blocks=ac_blocks, compiled=compiled, num_sharded=0, float8=float8)
-    pp_mesh = meshes.pp if meshes is not None else None
-    units = [model]  # the FSDP roots: the model, or this rank's pipeline stages
-    reshard = cfg.parallelism.fsdp_reshard_after_forward
-    if pp_mesh is not None and not inference:
-        units = _split_stages(cfg, model, pp_mesh, built, tp_mesh)
+    _experts(model, args, meshes, cfg.moe.load_balance, tp)
+    apply_cp(model, meshes)  # each rank computes its chunks of every sequence
+    model.loss_chunk_tokens = chunked_loss_tokens(cfg, tp)
+    built = BuiltModel(model, apply_ac(model, cfg.activation_checkpoint), apply_compile(model, cfg.compile), 0, float8)
+    units, reshard = [model], cfg.parallelism.fsdp_reshard_after_forward  # the FSDP roots: the model, or its stages
+    if meshes is not None and meshes.pp is not None:
+        units = _split_stages(cfg, model, meshes.pp, built, tp_mesh)
         # A stage runs forward over every pipeline microbatch before their backwards: gathering its parameters once
         # per local batch, not once per microbatch (and a zero-bubble schedule's weight backward needs them).
         reshard = "never" if reshard == "default" else reshard
-    if meshes is not None:
-        for unit in units:
-            built.num_sharded += apply_fsdp(
-                unit,
-                dp_mesh,
-                param_dtype=cfg.training.mixed_precision_param,
-                reduce_dtype=cfg.training.mixed_precision_reduce,
-                reshard_after_forward="always" if inference else reshard,
-                cpu_offload=cfg.training.enable_cpu_offload and not inference,
-                expert_mesh=meshes.expert,
-            )
+    built.num_sharded = _shard(cfg, units, meshes, reshard, cfg.training.enable_cpu_offload)
     return built
+
+
+def build_for_inference(cfg: JobConfig, args, meshes: Meshes | None) -> BuiltModel:
+    """Tensor parallelism without sequence or loss parallelism, the adapters (unmerged, in the base's dtype), an MoE's
+    experts with no load balancing, and FSDP resharding every block after its forward."""
+    model, tp_mesh = _on_meta(cfg, args), meshes.tp if meshes is not None else None
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, cfg.model.name, sequence_parallel=False, loss_parallel=False, inference=True,
+                 float8_tensorwise=False)  # fmt: skip
+    if cfg.lora.enable:
+        apply_lora(model, cfg.lora, base_dtype=None)
+    _experts(model, args, meshes, "none", 1 if tp_mesh is None else tp_mesh.size())
+    return BuiltModel(model, [], 0, _shard(cfg, [model], meshes, "always", cpu_offload=False))
+
+
+def _on_meta(cfg: JobConfig, args) -> torch.nn.Module:
+    with torch.device("meta"):
+        return model_class(cfg.model.name)(args)
+
+
+def _experts(model, args, meshes: Meshes | None, load_balance: str, tp: int) -> None:
+    """An MoE's load balancing, and its experts split over the expert mesh (expert parallelism)."""
+    if args.moe:
+        model.set_load_balance(load_balance)
+        if meshes is not None:
+            apply_ep(model, meshes.expert, tp=tp)
+
+
+def _shard(cfg: JobConfig, units: list, meshes: Meshes | None, reshard: str, cpu_offload: bool) -> int:
+    """fully_shard of each unit's blocks and itself on the data-parallel mesh (none without meshes); how many units
+    besides the roots."""
+    if meshes is None:
+        return 0
+    t = cfg.training
+    return sum(
+        apply_fsdp(
+            unit,
+            meshes.data_parallel,
+            param_dtype=t.mixed_precision_param,
+            reduce_dtype=t.mixed_precision_reduce,
+            reshard_after_forward=reshard,
+            cpu_offload=cpu_offload,
+            expert_mesh=meshes.expert,
+        )  # fmt: skip
+        for unit in units
+    )
 
 
 def _split_stages(cfg: JobConfig, model, pp_mesh, built: BuiltModel, tp_mesh) -> list[torch.nn.Module]:
