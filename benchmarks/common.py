@@ -7,6 +7,8 @@ device, the benchmarks only synchronise it before reading the clock.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import os
 import statistics
 import tempfile
@@ -19,6 +21,8 @@ import torch.multiprocessing as mp
 from titanlite.runtime.distributed import exit_process, free_port, shutdown
 
 BENCH_FLAVOR = "bench"
+SCRATCH = "TITANLITE_BENCH_SCRATCH"  # a folder every rank of a spawned world shares (spawn sets it)
+_jobs = itertools.count()
 
 
 def add_common_args(p: argparse.ArgumentParser, *, layers: int, hidden: int, intermediate: int, seq_len: int) -> None:
@@ -70,6 +74,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, fn, args, out_di
         TITANLITE_DEVICE=device,
         HF_HUB_OFFLINE="1",
     )
+    os.environ[SCRATCH] = out_dir
     if device == "cpu":  # share the cores; more threads than cores only adds contention
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     finished = False
@@ -87,6 +92,15 @@ def spawn(fn, world_size: int, device: str, *args) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world_size, free_port(), device, fn, args, out_dir), nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def job_folder():
+    """A dump folder for one job of this spawned world: the same path on every rank, as a job's ranks share one
+    (titanlite stops ranks whose configurations differ); removed with the world's scratch folder."""
+    path = os.path.join(os.environ[SCRATCH], f"job{next(_jobs)}")
+    os.makedirs(path, exist_ok=True)
+    yield path
 
 
 def register_shape(layers: int, hidden: int, intermediate: int, head_dim: int, seq_len: int) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 
 import common
 
@@ -27,7 +26,7 @@ def _time(opts, cp: int) -> list[float]:
     from titanlite.trainer import Trainer
 
     common.register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         settings = dict(local_batch_size=1, accumulation=1, replicate=1, dtype="float32")
         extra = ("--parallelism.context_parallel_degree", str(cp), "--model.vocab_size", str(opts.vocab))
         cfg = common.trainer_config(opts, dump, cp, **settings, extra=extra)

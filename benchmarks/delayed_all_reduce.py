@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import common
 
@@ -52,7 +51,7 @@ def _run_world(opts, device_type: str) -> dict | None:
     rank = int(os.environ["RANK"])
     shard = world // opts.replicate
     dtype = common.param_dtype(opts.dtype, device_type)
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         trainers = {
             m: common.build_trainer(
                 opts,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 
 import common
 
@@ -79,7 +78,7 @@ def _trainer(opts, dump: str, extra: tuple[str, ...]):
 def _memory_world(opts, name: str) -> dict:
     """One mode's memory (a world of its own: one FSDPMemTracker per process) and its parameter counts."""
     rank = int(os.environ["RANK"])
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         t = _trainer(opts, dump, _modes(opts)[name])
     batch = common.random_microbatches([opts.batch], opts.seq_len, opts.vocab, seed=rank)
     t.train_step(batch)  # AdamW's state appears in the first step
@@ -92,7 +91,7 @@ def _memory_world(opts, name: str) -> dict:
 def _time_world(opts) -> dict:
     """Every mode's step times, interleaved (A B C C B A ...)."""
     rank = int(os.environ["RANK"])
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         trainers = {name: _trainer(opts, f"{dump}/{i}", extra) for i, (name, extra) in enumerate(_modes(opts).items())}
     batch = common.random_microbatches([opts.batch], opts.seq_len, opts.vocab, seed=rank)
     for t in trainers.values():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import common
 
@@ -38,7 +37,7 @@ def _measure(opts, replicate: int) -> dict:
     from titanlite.config import load
     from titanlite.trainer import Trainer
 
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         argv = [
             "--model.flavor",
             opts.flavor,

@@ -86,7 +86,7 @@ def _ep_world(opts) -> dict | None:
     from titanlite.trainer import Trainer
 
     rank = int(os.environ["RANK"])
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         trainers = {}
         for name, ep in (("FSDP(2)", "1"), ("FSDP(2) x EP(2)", "2")):
             argv = [
@@ -144,7 +144,7 @@ def _balance(opts, mode: str, extra: tuple[str, ...]) -> tuple[float, float]:
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(common.free_port())
-    with tempfile.TemporaryDirectory() as dump:
+    with tempfile.TemporaryDirectory() as dump:  # one process
         argv = [
             "--model.name", "qwen3_moe", "--model.flavor", "debugmodel", "--training.seq_len", "256",
             "--training.local_batch_size", "8", "--training.steps", str(opts.balance_steps),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import common
 
@@ -61,7 +60,7 @@ def bare_fsdp_step(model_args, mesh, device, dtype: str, lr: float, seed: int):
 def _run(opts, device_type: str) -> dict | None:
     rank = int(os.environ["RANK"])
     dtype = common.param_dtype(opts.dtype, device_type)
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         trainer = common.build_trainer(
             opts,
             dump,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 
 import torch.distributed as dist
@@ -61,7 +60,7 @@ def _run_world(opts, device_type: str) -> dict | None:
 
     rank = int(os.environ["RANK"])
     dtype = common.param_dtype(opts.dtype, device_type)
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         trainers = {
             m: common.build_trainer(
                 opts,
