@@ -154,7 +154,7 @@ def _tracked(opts, name: str) -> dict[str, int] | None:
 
     common.register_shape(opts.layers, opts.hidden, opts.intermediate, opts.head_dim, opts.seq_len)
     settings = _settings(name, opts)
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         trainer = common.build_trainer(opts, dump, **settings)
     sizes = [settings["local_batch_size"]] * settings["accumulation"]
     batch = common.random_microbatches(sizes, opts.seq_len, opts.vocab, seed=0)

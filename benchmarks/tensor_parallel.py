@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import common
 
@@ -52,7 +51,7 @@ def _collectives(trainer, microbatch) -> dict:
 def _run_world(opts, device_type: str) -> dict | None:
     rank = int(os.environ["RANK"])
     dtype = common.param_dtype(opts.dtype, device_type)
-    with tempfile.TemporaryDirectory() as dump:
+    with common.job_folder() as dump:
         trainers = {
             m: common.build_trainer(
                 opts,
