@@ -18,7 +18,7 @@ from titanlite.checkpoint.hf_io import save_hf_sharded
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.compat import version_warning
 from titanlite.config import JobConfig, gradient_sync_mode
-from titanlite.config.compare import check_same_config
+from titanlite.config.compare import check_same_config, given_settings
 from titanlite.data.build import build_loader
 from titanlite.data.counted import no_counted_tokens
 from titanlite.dtypes import TORCH_DTYPES
@@ -66,6 +66,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+        given = given_settings(cfg)  # compared between the ranks once they can talk
         # Everything a user can get wrong is checked before the process group starts.
         plan = validate_for_world(
             cfg, world_size_from_env(), device_type=pick_device(int(os.environ.get("LOCAL_RANK", "0"))).type
@@ -74,7 +75,7 @@ class Trainer:
         self.global_batch_size, self.model_args = plan.global_batch_size, plan.model_args
 
         self.env = init_distributed(cfg.training.hang_timeout_seconds)
-        check_same_config(cfg, gather_objects)  # before any collective that another rank's settings could break
+        check_same_config(given, gather_objects)  # before any collective that another rank's settings could break
         self.device = self.env.device
         self.hang = HangWatch(
             cfg.job.dump_folder, self.env.rank, self.env.world_size, cfg.training.hang_timeout_seconds

@@ -80,11 +80,17 @@ def describe_by_rank(settings_by_rank: list[dict[str, str]]) -> str:
     return ", ".join(parts[:MAX_KEYS]) + more
 
 
-def check_same_config(cfg, gather: Callable[[object], list]) -> None:
+def given_settings(cfg) -> dict[str, str]:
+    """The settings a rank was started with, as check_same_config compares them: taken before the checks that resolve
+    machine-local details (an object-storage input's cache copy on this machine)."""
+    return flat_settings(cfg, skip=NODE_LOCAL)
+
+
+def check_same_config(mine: dict[str, str], gather: Callable[[object], list]) -> None:
     """ConfigError on every rank, naming each key whose value differs between the ranks with the ranks that hold each
-    value, when their resolved configurations differ; gather(obj): every rank's obj, in rank order (a collective that
-    every rank calls, e.g. runtime.distributed.gather_objects). A digest is compared first."""
-    mine = flat_settings(cfg, skip=NODE_LOCAL)
+    value, when the settings they were started with (given_settings) differ; gather(obj): every rank's obj, in rank
+    order (a collective that every rank calls, e.g. runtime.distributed.gather_objects). A digest is compared
+    first."""
     if len(set(gather(digest(mine)))) == 1:
         return
     raise ConfigError(
