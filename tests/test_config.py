@@ -134,3 +134,21 @@ def test_docs_config_reference_is_current():
     assert config.markdown_reference().strip() in page, (
         "docs/config.md config reference is stale: paste the output of `python -m titanlite.config --markdown`"
     )
+
+
+def test_ranks_compare_the_settings_they_were_started_with():
+    """check_same_config names each differing key with the ranks that hold each value; where a node's config file
+    lies is not compared, and the settings are those given (before start-up resolves machine-local copies)."""
+    from titanlite.config.compare import check_same_config, digest, given_settings
+
+    one, other = load(["--optimizer.lr", "0.001"]), load(["--optimizer.lr", "0.002"])
+    other.job.config_file = "/elsewhere/debug_model.toml"
+    ranks = [given_settings(one), given_settings(one), given_settings(other)]
+    assert "job.config_file" not in ranks[2]
+
+    def gather(mine):  # what every rank sends: first the digests, then the settings
+        return ranks if isinstance(mine, dict) else [digest(r) for r in ranks]
+
+    check_same_config(ranks[0], lambda mine: [mine, mine])  # the same everywhere: nothing to say
+    with pytest.raises(ConfigError, match=r"optimizer.lr \(0.001 on ranks 0-1, 0.002 on rank 2\); start every node"):
+        check_same_config(ranks[0], gather)
