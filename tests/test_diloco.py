@@ -47,7 +47,7 @@ def _by_hand(tmp: str, lighthouse: str) -> tuple[dict, dict]:
     import titanlite.trainer as trainer_module
     from titanlite.parallel.ft import NoReplicaGroups
 
-    trainer_module.replica_groups = lambda cfg, trainer, env: NoReplicaGroups()
+    trainer_module.replica_groups = lambda cfg, state, env, **services: NoReplicaGroups()
     trainer_module.outer_optimizer = lambda cfg, model: None
     trainers = [make_trainer(_argv(Path(tmp) / f"ref{g}", g, lighthouse)) for g in (0, 1)]
     params = [dict(t.model.named_parameters()) for t in trainers]
@@ -208,7 +208,7 @@ def test_the_outer_step_is_nesterov_on_the_mean_pseudo_gradient_and_a_fresh_stat
     """OuterOptimizer alone (one process, no torchft): two syncs with given pseudo-gradient sums match the formulas;
     a checkpoint without the outer state starts it from the loaded weights (and says so)."""
     from titanlite.config import load
-    from titanlite.parallel.ft_diloco import OuterOptimizer
+    from titanlite.parallel.ft.diloco import OuterOptimizer
 
     ft = load(["--fault_tolerance.mode", "diloco"]).fault_tolerance
     model = torch.nn.Linear(3, 2)

@@ -211,7 +211,7 @@ def _layout_argv(tmp, folder, name, *extra):
 
 def _trained(t) -> dict:
     """A run's logged losses and gradient norms, its routing biases at the end, and what says its layout ran."""
-    from titanlite.parallel.ft_heal import local
+    from titanlite.parallel.ft.heal import local
 
     norms, moe, log = {}, {}, t.metrics.log
     t.metrics.log = lambda m: (norms.__setitem__(m.step, m.grad_norm), moe.__setitem__(m.step, m.moe), log(m))[1]
@@ -447,6 +447,9 @@ class _SumWith:
     def __init__(self, other):
         self.other = other
 
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
     def allreduce(self, tensor, reduce_op=None):
         tensor += self.other
         return types.SimpleNamespace(wait=lambda: None)
@@ -466,28 +469,52 @@ class _Checkpointer:
         self.saved.append(step)
 
 
-def _groups(cfg, other=None, step=0, lighthouse=""):
-    """A ReplicaGroups of `cfg` at `step` without torchft (its manager adds `other`'s step vector)."""
-    from titanlite.parallel.ft import settings_slots, shared_settings
-    from titanlite.parallel.ft_groups import ReplicaGroups
+class _Loader:
+    """A data loader's position (what a failed step rewinds)."""
 
-    rg = ReplicaGroups.__new__(ReplicaGroups)
-    rg.cfg, rg.ft, rg.participants, rg.name = cfg, cfg.fault_tolerance, 2, f"titanlite_{cfg.fault_tolerance.replica_id}"
-    rg.live = 2
-    rg.ft.lighthouse = lighthouse
-    rg.env = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    rg.settings = shared_settings(cfg, 1)
-    rg.slots = torch.tensor(settings_slots(rg.settings), dtype=torch.float64)
-    rg.weights, rg.quorum_seen, rg.finished_peers, rg.resumed_step, rg.healed_at = 0, None, [], 0, []
-    rg.quorum_now, rg.committed, rg.balance, rg._healed = None, 0, None, {"weight", "bias"}
-    rg.trainer = types.SimpleNamespace(
-        step=step,
-        checkpointer=_Checkpointer(),
-        check_finite=lambda: None,
-        model=torch.nn.Linear(2, 2),
-        hang=types.SimpleNamespace(phase=lambda what: None),
-    )
-    rg.manager = _SumWith(other)
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class _Hang:
+    """A stand-in for the hang watch."""
+
+    def phase(self, what):
+        pass
+
+    def leave_when_silent(self, seconds, replica_id):
+        pass
+
+
+def _run_state():
+    """A RunState of a one-layer model at its start."""
+    from titanlite.run_state import RunState
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = RunState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), _Loader())
+    return state
+
+
+def _groups(cfg, other=None, step=0, lighthouse=""):
+    """The ReplicaGroups of `cfg` built from a fresh RunState that then trained to `step`, without torchft (its
+    manager adds `other`'s step vector) and with two groups live."""
+    from titanlite.parallel.ft.groups import ReplicaGroups
+
+    cfg.fault_tolerance.lighthouse = lighthouse
+    rg = ReplicaGroups(
+        cfg, _run_state(), types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")),
+        checkpointer=_Checkpointer(), hang=_Hang(), check_finite=lambda: None, global_batch_size=8,
+        manager=_SumWith(other),
+    )  # fmt: skip
+    rg.participants = rg.live = 2
+    rg.state.step = step
     return rg
 
 
@@ -527,7 +554,7 @@ def test_each_step_checks_the_groups_ids_settings_and_weights_in_the_token_sum()
 
 def test_weights_fingerprint_sees_one_changed_bit_and_healing_refuses_other_settings():
     from titanlite.config import ConfigError, load
-    from titanlite.parallel.ft import weights_fingerprint
+    from titanlite.parallel.ft.checks import weights_fingerprint
 
     a = [torch.randn(5, 3), torch.randn(7, dtype=torch.bfloat16)]
     b = [t.clone() for t in a]
@@ -562,18 +589,54 @@ def test_a_step_waits_for_min_replicas_then_saves_and_stops_with_a_message():
     quorums = []
     rg = _waiting(load(WAIT), quorums)
     with pytest.raises(ReplicaGroupsError, match=r"only 1 of the fault_tolerance.min_replicas = 2 .* step 6 .* saved"):
-        rg.begin_step()
-    assert len(quorums) > 1 and rg.trainer.checkpointer.saved == [6]  # it asked again; then saved what it had
+        rg.before_step(rg.state)
+    assert len(quorums) > 1 and rg.checkpointer.saved == [6]  # it asked again; then saved what it had
+
+
+def test_a_step_that_a_group_failed_is_taken_again_from_the_same_data():
+    """The sync policy around the loop's step: a step that was not committed puts the run state's step and data
+    position back (RETRY); a committed one counts the absent group's part of the global batch as skipped."""
+    from titanlite.config import load
+    from titanlite.parallel.ft.protocol import Next
+
+    rg = _waiting(load(FT), [], step=4)
+    rg.state.dataloader.position = 7
+    assert rg.before_step(rg.state) is Next.GO_ON and rg.participants == 1  # one of the two groups is live
+    rg.state.step, rg.state.dataloader.position = 5, 9  # the loop took step 5
+    assert rg.after_step(rg.state, committed=False) is Next.RETRY
+    assert (rg.state.step, rg.state.dataloader.position, rg.skipped_sequences) == (4, 7, 0)
+    assert rg.before_step(rg.state) is Next.GO_ON
+    rg.state.step = 5
+    assert rg.after_step(rg.state, committed=True) is Next.GO_ON and rg.skipped_sequences == 4  # half of 8
+
+
+def test_a_group_that_heals_takes_its_peers_run_state_and_says_the_weights_were_replaced():
+    """Healing at the quorum before a step: the weights, step and data position of the live peer (its RunState),
+    then one weights-replaced event (healed), which float8's scales listen to."""
+    from titanlite.config import load
+    from titanlite.parallel.ft.protocol import Next
+
+    peer = _groups(load(FT + ["--fault_tolerance.replica_id", "1"]), step=9)
+    peer.state.dataloader.position = 3
+    with torch.no_grad():
+        peer.state.model.weight.fill_(0.5)
+    events = []
+    rg = _waiting(load(FT), [], lambda n: rg._load(peer._state()), step=4)
+    rg.state.on_weights_replaced(events.append)
+    assert rg.before_step(rg.state) is Next.GO_ON
+    assert (rg.state.step, rg.state.dataloader.position, rg.healed_at, events) == (9, 3, [9], ["healed"])
+    assert torch.equal(rg.state.model.weight, peer.state.model.weight)
 
 
 def test_a_stop_signal_while_waiting_for_a_quorum_saves_the_committed_step(caplog):
     """Item 9: a SIGTERM that comes while the group waits for min_replicas saves step 6 and stops (status 0)."""
     from titanlite.config import load
+    from titanlite.parallel.ft.protocol import Next
 
     quorums = []
-    rg = _waiting(load(WAIT), quorums, lambda n: n == 3 and setattr(rg.trainer.checkpointer.signals, "requested", 1))
-    assert rg.begin_step() is True
-    ckpt = rg.trainer.checkpointer
+    rg = _waiting(load(WAIT), quorums, lambda n: n == 3 and setattr(rg.checkpointer.signals, "requested", 1))
+    assert rg.before_step(rg.state) is Next.STOP
+    ckpt = rg.checkpointer
     assert ckpt.saved == [6] and ckpt.preempted and len(quorums) == 3
     assert "Stopped by a stop signal while waiting" in caplog.text
 
@@ -592,6 +655,7 @@ def test_a_lost_lighthouse_is_waited_for_then_the_group_saves_and_stops():
 
     from titanlite.config import load
     from titanlite.errors import ReplicaGroupsError
+    from titanlite.parallel.ft.protocol import Next
 
     port = _port()
 
@@ -605,14 +669,14 @@ def test_a_lost_lighthouse_is_waited_for_then_the_group_saves_and_stops():
     rg.ft.lighthouse = f"localhost:{port}"  # item 22: without http://
     lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=1)
     try:
-        assert rg.begin_step() is False and len(quorums) == 2
+        assert rg.before_step(rg.state) is Next.GO_ON and len(quorums) == 2
     finally:
         lighthouse.shutdown()
     quorums.clear()
     rg.manager.start_quorum = lambda timeout: (_ for _ in ()).throw(TimeoutError("Timeout expired"))
     with pytest.raises(ReplicaGroupsError, match=rf"lighthouse at http://localhost:{port} did not answer .* step 6"):
-        rg.begin_step()
-    assert rg.trainer.checkpointer.saved == [6]
+        rg.before_step(rg.state)
+    assert rg.checkpointer.saved == [6]
 
 
 def test_the_lighthouse_check_takes_host_port_and_refuses_what_is_not_a_lighthouse():
@@ -622,7 +686,7 @@ def test_the_lighthouse_check_takes_host_port_and_refuses_what_is_not_a_lighthou
     import threading
 
     from titanlite.config import load
-    from titanlite.parallel.ft import lighthouse_address, lighthouse_problem
+    from titanlite.parallel.ft.checks import lighthouse_address, lighthouse_problem
 
     lighthouse = _lighthouse()
     try:
@@ -719,23 +783,24 @@ def test_a_stop_while_the_lighthouse_withholds_a_quorum_comes_between_bounded_re
     requests together count against quorum_timeout_seconds."""
     from titanlite.config import load
     from titanlite.errors import ReplicaGroupsError
+    from titanlite.parallel.ft.protocol import Next
 
     def withheld(n):
         if n == 2:
-            rg.trainer.checkpointer.signals.requested = True
+            rg.checkpointer.signals.requested = True
         raise TimeoutError('status: Cancelled, message: "Timeout expired"')
 
     quorums = []
     rg = _answering(_waiting(load(FT), quorums, withheld))
-    assert rg.begin_step() is True and rg.trainer.checkpointer.saved == [6] and len(quorums) == 2
+    assert rg.before_step(rg.state) is Next.STOP and rg.checkpointer.saved == [6] and len(quorums) == 2
     assert all(t is not None and t.total_seconds() <= 15 for t in quorums), quorums  # QUORUM_CALL_SECONDS
     assert "no quorum" not in caplog.text and "Stopped by a stop signal while waiting for a quorum" in caplog.text
     quorums.clear()
     rg = _answering(_waiting(load(FT + ["--fault_tolerance.quorum_timeout_seconds", "1"]), quorums, withheld))
-    rg.trainer.checkpointer.signals.requested = None  # withheld() sets it at the 2nd request: ignored
+    rg.checkpointer.signals.requested = None  # withheld() sets it at the 2nd request: ignored
     rg._stop_requested = lambda: False
     with pytest.raises(ReplicaGroupsError, match=r"gave no quorum for fault_tolerance.quorum_timeout_seconds = 1 "):
-        rg.begin_step()
+        rg.before_step(rg.state)
     assert all(t.total_seconds() == 1 for t in quorums) and len(quorums) > 1  # half of 1 s: at least 1
 
 
@@ -747,11 +812,11 @@ def test_a_stop_while_waiting_with_nothing_saved_exits_as_an_unsaved_stop(caplog
     for enabled, step in ((False, 6), (True, 0)):
         quorums = []
         rg = _waiting(load(WAIT), quorums, step=step)
-        rg.trainer.checkpointer.enabled, rg.trainer.checkpointer.signals.requested = enabled, True
+        rg.checkpointer.enabled, rg.checkpointer.signals.requested = enabled, True
         with pytest.raises(SystemExit) as stop:
-            rg.begin_step()
-        assert stop.value.code == 128 + signal.SIGTERM and not rg.trainer.checkpointer.preempted
-        assert rg.trainer.checkpointer.saved == [] and "a relaunch resumes" not in caplog.text
+            rg.before_step(rg.state)
+        assert stop.value.code == 128 + signal.SIGTERM and not rg.checkpointer.preempted
+        assert rg.checkpointer.saved == [] and "a relaunch resumes" not in caplog.text
     assert "nothing was saved; exiting with status 143" in caplog.text
 
 
@@ -822,7 +887,7 @@ def test_a_lighthouse_address_that_does_not_speak_http_is_refused_in_one_message
     import threading
 
     from titanlite.config import load
-    from titanlite.parallel.ft import lighthouse_problem
+    from titanlite.parallel.ft.checks import lighthouse_problem
 
     server = socket.create_server(("localhost", 0))
 
@@ -858,7 +923,7 @@ def test_torchft_is_pinned_below_the_version_whose_internals_titanlite_reads():
 def test_healing_sends_what_a_checkpoint_of_the_run_holds():
     """With LoRA: the adapters and the buffers (a LoRA checkpoint's model part), not the frozen base, which every
     group loads from checkpoint.initial_load_path; without: every tensor of the state dict."""
-    from titanlite.parallel.ft_heal import healed_names
+    from titanlite.parallel.ft.heal import healed_names
 
     model = torch.nn.Module()
     model.base = torch.nn.Linear(2, 2).requires_grad_(False)

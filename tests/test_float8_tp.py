@@ -229,23 +229,56 @@ def test_float8_under_tp_matches_one_process_and_resumes(tmp_path, monkeypatch):
     _assert_close(one["one_resumed"], two["tensorwise"], "one_resumed", [4, 5, 6], RESUMED_FIRST_RTOL)
 
 
-def test_float8_scales_follow_every_change_of_the_weights(tmp_path):
-    """The trainer computes the float8 weights' scales at the first forward (fresh or loaded weights), after each
-    optimizer step, and after a heal or a DiLoCo sync that replaced the weights, and at no other time."""
-    from titanlite.parallel.ft import NoReplicaGroups
+def test_float8_scales_follow_every_change_of_the_weights(tmp_path, monkeypatch):
+    """The run state says that the weights were replaced at the load, after each optimizer step, and after a heal or a
+    DiLoCo sync that the replica-group policy made, and at no other time; the trainer hands that event to float8's
+    listener (listen_for_new_weights)."""
+    import titanlite.trainer as trainer_module
+    from titanlite.parallel.ft import Next, NoReplicaGroups
+    from titanlite.run_state import HEALED, SYNCED
 
-    class Moves(NoReplicaGroups):  # weights replaced at the quorum before step 2 and after step 3
-        calls = 0
+    class Moves(NoReplicaGroups):  # weights replaced at the quorum before step 2 and at the sync after step 3
+        def before_step(self, state):
+            if state.step == 1:
+                state.weights_replaced(HEALED)
+            return Next.GO_ON
 
-        def moved_weights(self) -> bool:
-            self.calls += 1
-            return self.calls in (3, 6)  # begin_step and end_step each ask once per step
+        def after_step(self, state, committed):
+            if state.step == 3:
+                state.weights_replaced(SYNCED)
+            return Next.GO_ON
 
+    events = []
+    monkeypatch.setattr(
+        trainer_module,
+        "listen_for_new_weights",
+        lambda state, model, cfg: state.on_weights_replaced(lambda why: events.append((state.step, why))),
+    )
     trainer = make_trainer(tiny_argv(tmp_path, "--training.steps", "4"))
-    refreshes = []
-    trainer.refresh_float8_scales = lambda: refreshes.append(trainer.step)
     trainer.replicas = Moves()
     trainer.train()
-    # the first forward (step 1's, after FSDP's set-up); step 1's optimizer step; healed at the quorum after it;
-    # steps 2 and 3; synced after step 3; step 4
-    assert refreshes == [1, 1, 1, 2, 3, 3, 4]
+    assert events == [
+        (0, "loaded"),
+        (1, "optimizer step"),
+        (1, "healed"),
+        (2, "optimizer step"),
+        (3, "optimizer step"),
+        (3, "synced"),
+        (4, "optimizer step"),
+    ]
+
+
+def test_float8_refreshes_its_scales_at_once_or_after_a_load_at_the_first_forward():
+    """float8's listener: after a load the scales are computed at the model's next forward (after FSDP's set-up of
+    it), once; after any other replacement of the weights, at once."""
+    from titanlite.parallel.float8 import scale_refresher
+
+    model, refreshes = torch.nn.Linear(2, 2), []
+    listener = scale_refresher(model, lambda: refreshes.append(1))
+    listener("loaded")
+    assert refreshes == []
+    model(torch.zeros(1, 2))
+    model(torch.zeros(1, 2))
+    assert refreshes == [1]
+    listener("optimizer step")
+    assert refreshes == [1, 1]

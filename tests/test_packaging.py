@@ -213,6 +213,23 @@ def test_components_keep_their_bands():
     assert _band_problems({"titanlite.checkpoint.lora_export": {"titanlite.model_builder"}})
 
 
+def test_the_run_state_imports_nothing_of_titanlite_and_fault_tolerance_stays_a_policy():
+    """RunState is taken by the checkpoint manager, healing and the replica groups: it imports nothing of titanlite;
+    parallel/ft/ is never imported by models/ or checkpoint/, and no module but trainer.py builds or reads a Trainer."""
+    imports = _imports_by_module()
+    assert not imports["titanlite.run_state"], imports["titanlite.run_state"]
+    reaching = sorted(
+        f"{m} imports {n}"
+        for m, names in imports.items()
+        if m.startswith(("titanlite.models", "titanlite.checkpoint"))
+        for n in names
+        if n.startswith("titanlite.parallel.ft")
+    )
+    assert not reaching, reaching
+    trainer_users = sorted(m for m, names in imports.items() if "titanlite.trainer" in names)
+    assert trainer_users == ["titanlite.cli.train"], trainer_users
+
+
 def test_torch_range_is_the_one_compat_admits(monkeypatch):
     """pyproject.toml and titanlite/compat.py name the same torch versions; outside them the run warns."""
     import torch

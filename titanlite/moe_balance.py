@@ -36,7 +36,7 @@ class LoadBalance:
         self.bias_rate = moe_cfg.bias_update_rate if mode == "aux_free" else 0.0
         self.tp, self.global_batch_size = dims.tp * cp, global_batch_size  # ranks holding the same aux values
         self._aux_sum: torch.Tensor | None = None  # this step's aux values on this rank (for the log)
-        self.groups = None  # fault tolerance: the replica groups (parallel/ft_groups.ReplicaGroups), see across_groups
+        self.groups = None  # fault tolerance: the replica groups (parallel/ft/groups.ReplicaGroups), see across_groups
         self._bias_before: list | None = None  # (routing bias, its value before this step moved it)
 
     def across_groups(self, groups) -> None:

@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from titanlite.checkpoint.catalog import checkpoint_folder
 from titanlite.checkpoint.data_identity import current as data_identity
-from titanlite.checkpoint.hf_io import save_hf_sharded
+from titanlite.checkpoint.hf_copy import write_hf_copy
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.compat import version_warning
 from titanlite.config import JobConfig, gradient_sync_mode
 from titanlite.config.compare import check_same_config, given_settings
 from titanlite.data.build import build_loader
 from titanlite.data.counted import no_counted_tokens
-from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import NonFiniteLossError
 from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss, training_loss
 from titanlite.model_builder import build_model, compiled_loss
@@ -33,18 +29,17 @@ from titanlite.observe.profiling import Profiler
 from titanlite.observe.summary import degenerate_run_warnings, startup_lines, trained_adapters
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from titanlite.parallel.ac import describe_ac_compile
-from titanlite.parallel.float8 import at_first_forward, float8_scale_refresh
+from titanlite.parallel.float8 import listen_for_new_weights
 from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_sync
-from titanlite.parallel.ft import data_slice
-from titanlite.parallel.ft_diloco import outer_optimizer, replica_groups
+from titanlite.parallel.ft import Next, data_slice, outer_optimizer, replica_groups
 from titanlite.parallel.pp import Pipeline
 from titanlite.plan import locked_folders, validate_for_world
+from titanlite.run_state import OPTIMIZER_STEP, RunState
 from titanlite.runtime.distributed import gather_objects, init_distributed, pick_device, set_seed, world_size_from_env
 from titanlite.runtime.exit_status import record_end
 from titanlite.runtime.hang_watch import HangWatch
 from titanlite.runtime.run_control import guard_run, release_all
 from titanlite.sizing.flops import flops_per_token
-from titanlite.storage import describe_failure, is_remote, remove_tree, upload
 from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
@@ -88,9 +83,9 @@ class Trainer:
         self.meshes = self.dims.build_meshes(self.device.type, self.model_args.moe)
         self.pp_group = self.meshes.pp.get_group() if self.meshes.pp is not None else None  # the grad norm's
 
-        self.dataloader, self.validator = self._build_data()
-        self.tokens_by_source = [0] * len(self.dataloader.names)
-        self.model, self.pipeline, self.fsdp_roots = self._build_model()
+        dataloader, self.validator = self._build_data()
+        self.tokens_by_source = [0] * len(dataloader.names)
+        model, self.pipeline, self.fsdp_roots = self._build_model()
         self.gradient_sync, sync_line = gradient_sync_plan(
             gradient_sync_mode(cfg.parallelism), self.dims, self.grad_accum
         )
@@ -99,13 +94,13 @@ class Trainer:
         # With [compile] on (inductor only: the loss has no graph breaks to hide), the loss is compiled too.
         self.loss_fn = training_loss(compiled_loss(cfg, self.dims.tp))
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.enable_loss_parallel
-        self.balance = LoadBalance(self.model, cfg.moe, self.model_args, self.dims, self.global_batch_size)
+        self.balance = LoadBalance(model, cfg.moe, self.model_args, self.dims, self.global_batch_size)
 
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.refresh_float8_scales = float8_scale_refresh(self.model, cfg.float8)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.step = 0
-        self.tokens_seen = 0
+        optimizer = build_optimizer(model, cfg.optimizer)
+        lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+        # DiLoCo's global weights and outer momentum (None without): checkpointed with the optimizer
+        self.state = RunState(model, optimizer, lr_scheduler, dataloader, outer_optimizer(cfg, model))
+        listen_for_new_weights(self.state, model, cfg.float8)  # float8 all-gathers: scales from new weights
         # Step at which the loss first went non-finite (-1: never), kept on the device: no sync per step.
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self.metrics = MetricsLogger(
@@ -113,27 +108,41 @@ class Trainer:
             cfg.job.dump_folder,
             self.env.rank,
             device=self.device,
-            flops_per_token=flops_per_token(self.model_args, cfg.training.seq_len, trained_adapters(self.model, cfg)),
+            flops_per_token=flops_per_token(self.model_args, cfg.training.seq_len, trained_adapters(model, cfg)),
             total_steps=cfg.training.steps,
         )
         self.losses: dict[int, float] = {}  # logged global loss per step
         self.val_losses: dict[int, float] = {}  # validation loss per step
-        self.outer = outer_optimizer(cfg, self.model)  # DiLoCo's global weights and outer momentum, or None
         self.checkpointer = CheckpointManager(
-            cfg,
-            model=self.model,
-            optimizer=self.optimizer,
-            outer=self.outer,
-            lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader,
-            train_state=self,
-            device=self.device,
-            data_identity=data_identity(self.tokenizer, self.dataloader),
+            cfg, self.state, self.device, data_identity=data_identity(self.tokenizer, dataloader)
         )
-        self.checkpointer.load()  # resume (any topology) or initial weights; sets self.step on resume
-        if self.outer is not None and (note := self.outer.after_load(self.step)) and self.env.rank == 0:
-            logger.warning(note)
-        self.replicas = replica_groups(cfg, self, self.env)  # the groups of a torchft job; a stand-in without
+        self.checkpointer.load()  # resume (any topology) or initial weights; sets the step on resume
+        # the policy around each step: the groups of a fault-tolerant job (sync or DiLoCo); one that does nothing
+        self.replicas = replica_groups(
+            cfg, self.state, self.env, checkpointer=self.checkpointer, hang=self.hang, check_finite=self.check_finite,
+            global_batch_size=self.global_batch_size, balance=self.balance,
+        )  # fmt: skip
+
+    # The run's state (run_state.RunState), as attributes of the Trainer for its callers.
+    model = property(lambda self: self.state.model)
+    optimizer = property(lambda self: self.state.optimizer)
+    lr_scheduler = property(lambda self: self.state.lr_scheduler)
+    dataloader = property(lambda self: self.state.dataloader)
+    outer = property(lambda self: self.state.outer)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def tokens_seen(self) -> int:
+        """Counted labels trained on."""
+        return self.state.tokens_seen
 
     def _build_data(self):
         """(the training loader, the validator or None): every dp rank reads its own sequences (the ranks build a
@@ -230,25 +239,11 @@ class Trainer:
         committed = self.replicas.commit()
         if committed:
             self.optimizer.step()
-            self._refresh_float8_scales()
+            self.state.weights_replaced(OPTIMIZER_STEP)
         self.optimizer.zero_grad(set_to_none=True)
         if committed:
             self.lr_scheduler.step()
         return StepOutput(loss_sum, global_tokens, grad_norm, moe, committed)
-
-    def _refresh_float8_scales(self, changed: bool = True) -> None:
-        """[float8] with float8 all-gathers: every float8 weight's scale from the weights as they are now, when they
-        changed (an optimizer step, a fault-tolerant heal or DiLoCo sync; the start: at_first_forward)."""
-        if self.refresh_float8_scales is not None and changed:
-            self.refresh_float8_scales()
-
-    def _healed_to_the_end(self) -> bool:
-        """DiLoCo: a sync took this group to the job's last step (it healed there, or made a last sync that a stop
-        had left pending): True once that step is saved, as the others saved it."""
-        if self.step < self.cfg.training.steps:
-            return False
-        self.checkpointer.maybe_save(self.step, last=True, before_save=self.check_finite)
-        return True
 
     def global_loss(self, out: StepOutput) -> float:
         """Mean token loss over the global batch (one all-reduce; call on logged steps only)."""
@@ -260,8 +255,31 @@ class Trainer:
 
     def train(self) -> dict[int, float]:
         """Train to training.steps; returns the logged loss per step."""
+        state, groups = self.state, self.replicas  # groups: the policy around each step (parallel/ft/protocol.py)
+        profiler = self._start()
+        try:
+            while groups.unfinished(state, self.cfg.training.steps):
+                if groups.before_step(state) is Next.STOP:
+                    break  # a stop signal came while the groups met, or a heal took this group to the end: saved
+                lr = self.lr_scheduler.get_last_lr()[-1]  # (Muon: its AdamW group, at optimizer.lr)
+                data = self._next_batch()
+                out = self.train_step(data.microbatches, groups.known_tokens(data.global_valid_tokens))
+                self._count(data, out)
+                next_ = groups.after_step(state, out.committed)  # retried, synced, healed or stopped there
+                if next_ is Next.STOP:
+                    break
+                if next_ is Next.GO_ON and self._step_done(out, lr, profiler):
+                    break  # preempted: every rank saved this step; exit 0 so the job can be requeued
+            self._finish(profiler)
+        finally:
+            self._close()
+        self._log_sources()
+        return self.losses
+
+    def _start(self) -> Profiler:
+        """Say what the run trains, and start the profiler (returned), the metrics and the hang watch."""
         cfg = self.cfg
-        if self.step >= cfg.training.steps and not self.replicas.sync_pending():
+        if not self.replicas.unfinished(self.state, cfg.training.steps):
             logger.info(
                 f"Already at step {self.step} of training.steps = {cfg.training.steps}: nothing to train "
                 f"(raise training.steps to go on, or use a new job.dump_folder to start over)"
@@ -275,82 +293,70 @@ class Trainer:
         self.metrics.open_wandb(cfg.to_dict(), resumed=self.step > 0)
         self.metrics.start()
         self.hang.start()
-        try:
-            if self.refresh_float8_scales is not None:  # from the weights as they start: fresh or loaded
-                at_first_forward(self.model, self.refresh_float8_scales)
-            while self.step < cfg.training.steps or self.replicas.sync_pending():
-                if self.replicas.begin_step():  # a restarted group heals here (step and data position too)
-                    break  # a stop signal came while it waited for a quorum: what was committed is saved
-                self._refresh_float8_scales(changed=self.replicas.moved_weights())  # healed, or a DiLoCo sync
-                if self._healed_to_the_end():
-                    break
-                data_state = self.dataloader.state_dict()
-                self.step += 1
-                self.hang.phase(f"step {self.step}: waiting for its data")
-                data = self.dataloader.next_step()
-                if data.global_valid_tokens == 0:  # every rank sees the same global count
-                    what = f"step {self.step}'s global batch of {self.global_batch_size} sequences"
-                    raise no_counted_tokens(self.dataloader, what, cfg.training)
-                lr = self.lr_scheduler.get_last_lr()[-1]  # (Muon: its AdamW group, at optimizer.lr)
-                out = self.train_step(data.microbatches, self.replicas.known_tokens(data.global_valid_tokens))
-                if not out.committed:  # a group failed during the step: retried with the groups still alive
-                    logger.warning(f"Step {self.step} was not committed by every replica group; retrying it")
-                    self.step -= 1
-                    self.dataloader.load_state_dict(data_state)
-                    continue
-                self.replicas.count_skipped(self.global_batch_size)
-                self.tokens_seen += data.global_tokens  # padding is not a token trained on
-                for i, n in enumerate(data.sequences_by_source):
-                    self.tokens_by_source[i] += n * cfg.training.seq_len
-                # tokens/s and MFU per rank: the pp x cp x tp ranks of a dp rank share its tokens (and FLOPs)
-                self.metrics.step_done(self.step, data.local_tokens / (self.dims.tp * self.dims.cp * self.dims.pp))
-                self._track_non_finite(out)
-                trained = self.step
-                if self.replicas.end_step():  # DiLoCo: a round's end syncs the groups
-                    break  # a stop signal came while it waited for a quorum: what was trained is saved
-                self._refresh_float8_scales(changed=self.replicas.moved_weights())  # DiLoCo's outer step, a heal
-                if self.step != trained:  # healed at that sync: a peer's step, weights and data position now
-                    if self._healed_to_the_end():
-                        break
-                    continue
-                # Only logged steps read device values (host syncs) and all-reduce the loss.
-                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-                    self.hang.phase(f"step {self.step}: reducing the loss for the log")
-                    self.check_finite()
-                    loss = self.global_loss(out)
-                    self.losses[self.step] = loss
-                    moe = self.balance.report(out.moe)
-                    replicas = self.replicas.label()
-                    self.metrics.log(self.metrics.collect(self.step, loss, out.grad_norm.item(), lr, moe, replicas))
-                if self.validator is not None and self.validator.due(self.step, cfg.training.steps):
-                    self.hang.phase(f"validation at step {self.step}")
-                    self.validate()
-                profiler.step(self.step)
-                self.hang.phase(f"step {self.step}: checkpoint save, if due")
-                if self.checkpointer.maybe_save(
-                    self.step, last=self.step == cfg.training.steps, before_save=self.check_finite
-                ):
-                    break  # preempted: every rank saved this step; exit 0 so the job can be requeued
-            self.hang.phase(f"after step {self.step}: final checks and saves")
-            profiler.stop()
+        return profiler
+
+    def _next_batch(self):
+        """The next step's global batch (this rank's part of it, loader.StepBatch); the step is counted."""
+        self.state.step += 1
+        self.hang.phase(f"step {self.step}: waiting for its data")
+        data = self.dataloader.next_step()
+        if data.global_valid_tokens == 0:  # every rank sees the same global count
+            what = f"step {self.step}'s global batch of {self.global_batch_size} sequences"
+            raise no_counted_tokens(self.dataloader, what, self.cfg.training)
+        return data
+
+    def _count(self, data, out: StepOutput) -> None:
+        """A committed step's tokens (by source), its throughput and whether its loss stayed finite."""
+        if not out.committed:
+            return
+        self.state.tokens_seen += data.global_tokens  # padding is not a token trained on
+        for i, n in enumerate(data.sequences_by_source):
+            self.tokens_by_source[i] += n * self.cfg.training.seq_len
+        # tokens/s and MFU per rank: the pp x cp x tp ranks of a dp rank share its tokens (and FLOPs)
+        self.metrics.step_done(self.step, data.local_tokens / (self.dims.tp * self.dims.cp * self.dims.pp))
+        self._track_non_finite(out)
+
+    def _step_done(self, out: StepOutput, lr: float, profiler: Profiler) -> bool:
+        """After a step that stands: log it (logged steps only read device values), validate and save when due;
+        True when a stop signal made every rank save this step."""
+        cfg, step = self.cfg, self.step
+        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+            self.hang.phase(f"step {step}: reducing the loss for the log")
             self.check_finite()
-            if cfg.checkpoint.last_save_in_hf and self.step == cfg.training.steps and not self.checkpointer.preempted:
-                self.save_hf()
-            if self.env.local_rank == 0:  # each node's launcher reads its own record (multi-node: several)
-                record_end("stopped" if self.checkpointer.preempted else "finished", self.step)
+            loss = self.global_loss(out)
+            self.losses[step] = loss
+            moe, replicas = self.balance.report(out.moe), self.replicas.label()
+            self.metrics.log(self.metrics.collect(step, loss, out.grad_norm.item(), lr, moe, replicas))
+        if self.validator is not None and self.validator.due(step, cfg.training.steps):
+            self.hang.phase(f"validation at step {step}")
+            self.validate()
+        profiler.step(step)
+        self.hang.phase(f"step {step}: checkpoint save, if due")
+        return self.checkpointer.maybe_save(step, last=step == cfg.training.steps, before_save=self.check_finite)
+
+    def _finish(self, profiler: Profiler) -> None:
+        """After the last step (or a stop): the final checks, the HuggingFace copy, the record of how it ended."""
+        self.hang.phase(f"after step {self.step}: final checks and saves")
+        profiler.stop()
+        self.check_finite()
+        stopped = self.checkpointer.preempted
+        if self.cfg.checkpoint.last_save_in_hf and self.step == self.cfg.training.steps and not stopped:
+            write_hf_copy(self.cfg, self.model, self.tokenizer, self.step, self.env.rank)
+        if self.env.local_rank == 0:  # each node's launcher reads its own record (multi-node: several)
+            record_end("stopped" if stopped else "finished", self.step)
+
+    def _close(self) -> None:
+        """Stop the hang watch, leave the replica groups, wait for a pending save, release the folders."""
+        self.hang.stop()
+        self.replicas.close()
+        try:
+            self.checkpointer.close()  # waits for an async save (the folder still locked) and restores signals
         finally:
-            self.hang.stop()
-            self.replicas.close()
-            try:
-                self.checkpointer.close()  # waits for an async save (the folder still locked) and restores signals
-            finally:
-                self.watchdog.stop()  # its heartbeats kept the locks alive until here
-                release_all(self.locks)
-            self.metrics.close()
-            if hasattr(self.dataloader, "close"):
-                self.dataloader.close()  # the prefetch thread
-        self._log_sources()
-        return self.losses
+            self.watchdog.stop()  # its heartbeats kept the locks alive until here
+            release_all(self.locks)
+        self.metrics.close()
+        if hasattr(self.dataloader, "close"):
+            self.dataloader.close()  # the prefetch thread
 
     def _log_sources(self) -> None:
         total = sum(self.tokens_by_source)
@@ -359,28 +365,6 @@ class Trainer:
                 f"{name} {n / total:.1%} ({n:,})" for name, n in zip(self.dataloader.names, self.tokens_by_source)
             )
             logger.info(f"Tokens trained on by source in this run: {shares}")
-
-    def save_hf(self):
-        """Write the model as a HuggingFace folder <checkpoint folder>/hf-step-N (every rank its shards; in object
-        storage: written under job.dump_folder, then uploaded by rank 0, config.json last)."""
-        out = checkpoint_folder(self.cfg) / f"hf-step-{self.step}"
-        local = Path(self.cfg.job.dump_folder) / out.name if is_remote(out) else out
-        t0 = time.perf_counter()
-        dtype, started_from = TORCH_DTYPES[self.cfg.checkpoint.export_dtype], self.cfg.checkpoint.initial_load_path
-        save_hf_sharded(self.model, local, dtype, self.tokenizer, started_from=started_from)
-        if local != out and self.env.rank == 0:
-            try:
-                remove_tree(out)
-                upload(local, out, last=("config.json", "model.safetensors.index.json"))
-                remove_tree(local)
-            except Exception as e:  # the checkpoints are saved; the HF copy stays in job.dump_folder
-                logger.error(f"{describe_failure(out, 'checkpoint.last_save_in_hf', e)}; it is kept in {local}")
-                return local
-        logger.info(
-            f"Wrote the HuggingFace model {out} ({self.cfg.checkpoint.export_dtype}) in "
-            f"{time.perf_counter() - t0:.1f} s"
-        )
-        return out
 
     def validate(self) -> float:
         """Loss on the held-out data (the same sequences every time); logged and written to TensorBoard."""

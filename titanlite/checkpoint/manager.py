@@ -65,6 +65,7 @@ from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import CheckpointSaveError, ConfigError
 from titanlite.models.args import args_to_dict
 from titanlite.optim import optimizer_hyperparameters, peak_lrs
+from titanlite.run_state import LOADED, RunState
 from titanlite.runtime.run_control import LOCK_LOST, StopSignals
 from titanlite.storage import dcp_writer, fsync_folder, is_remote, location
 
@@ -74,9 +75,8 @@ RUN_FILES = ("job_config.toml", "model_args.json", DATA_IDENTITY)
 
 
 class CheckpointManager:
-    """Saves and restores the model, optimizer, LR schedule, data position and train state.
-
-    `train_state` is any object with int attributes `step` and `tokens_seen` (the Trainer). When
+    """Saves and restores the run state (run_state.RunState): model, optimizer (with DiLoCo's outer state), LR
+    schedule, data position, step and tokens seen. When
     checkpointing is enabled, after `load()` the stop signals (run_control.StopSignals) request a
     save-and-stop at the end of the step (`maybe_save` returns True); `close()` restores the handlers.
     """
@@ -84,15 +84,9 @@ class CheckpointManager:
     def __init__(
         self,
         cfg: JobConfig,
-        *,
-        model,
-        optimizer,
-        lr_scheduler,
-        dataloader,
-        train_state,
+        state: RunState,
         device: torch.device,
         data_identity: dict | None = None,
-        outer=None,
     ):
         self.job_cfg, self.cfg = cfg, cfg.checkpoint
         self.data_identity = data_identity  # what the data position counts in (data_identity.py)
@@ -100,7 +94,8 @@ class CheckpointManager:
         self.enabled = cfg.checkpoint.enable
         self.folder = checkpoint_folder(cfg)
         self.wanted = wanted_parts(cfg)
-        self.model, self.dataloader = model, dataloader
+        self.state, model, optimizer = state, state.model, state.optimizer
+        self.model, self.dataloader = model, state.dataloader
         self.saved_steps: set[int] = set()  # steps this run wrote (retention says when it removes older runs')
         # LoRA: checkpoints hold the adapters; the base is checkpoint.initial_load_path's, identified by fingerprint
         # (and a 4-bit base by its block sizes).
@@ -108,10 +103,10 @@ class CheckpointManager:
         self.lora_base = base_record(cfg, getattr(model, "args", None)) if self.lora else None
         self.parts = {
             "model": ModelPart(model, trainable_only=self.lora),
-            "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer), outer),
-            "lr_scheduler": SchedulerPart(lr_scheduler, optimizer, peak_lrs(cfg.optimizer)),
-            "dataloader": dataloader,
-            "train_state": TrainStatePart(train_state, device),
+            "optimizer": OptimizerPart(model, optimizer, optimizer_hyperparameters(cfg.optimizer), state.outer),
+            "lr_scheduler": SchedulerPart(state.lr_scheduler, optimizer, peak_lrs(cfg.optimizer)),
+            "dataloader": state.dataloader,
+            "train_state": TrainStatePart(state, device),
         }
         assert tuple(self.parts) == CHECKPOINT_PARTS
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -127,7 +122,8 @@ class CheckpointManager:
     def load(self) -> bool:
         """Resume from checkpoint.load_step or the newest complete, intact checkpoint; else start from
         checkpoint.initial_load_path if set (with LoRA: the base always, then the adapters of the checkpoint or of
-        lora.initial_adapter_path). True when a checkpoint was resumed."""
+        lora.initial_adapter_path), and tell the run state's listeners (weights replaced: LOADED). True when a
+        checkpoint was resumed."""
         intact = intact_checkpoints(self.folder, self.cfg.load_step, self.wanted) if self.enabled else iter(())
         info = next(intact, None)
         if self.cfg.initial_load_path and (info is None or self.lora):
@@ -150,6 +146,7 @@ class CheckpointManager:
         if self.enabled:  # from here on a stop signal is honoured at the end of a step (with a save)
             self._set_aside_newer(info.step if info else -1)
             self.signals.install()
+        self.state.weights_replaced(LOADED)
         return info is not None
 
     def _set_aside_newer(self, step: int) -> None:

@@ -48,7 +48,7 @@ class OptimizerPart(Stateful):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper: list | None = None, outer=None):
         self.model, self.optimizer, self.hyper = model, optimizer, hyper or [{}] * len(optimizer.param_groups)
-        self.outer = outer  # DiLoCo's outer state (parallel/ft_diloco.OuterOptimizer), kept under "diloco"
+        self.outer = outer  # DiLoCo's outer state (parallel/ft/diloco.OuterOptimizer), kept under "diloco"
 
     def state_dict(self) -> dict:
         sd = get_optimizer_state_dict(self.model, self.optimizer)
@@ -115,7 +115,8 @@ class SchedulerPart(Stateful):
 
 
 class TrainStatePart(Stateful):
-    """Step, tokens seen and the RNG states of `owner` (any object with int attributes step and tokens_seen).
+    """Step, tokens seen and the RNG states of `owner` (run_state.RunState, or any object with int attributes step
+    and tokens_seen).
 
     Every rank has the same seed and draws no rank-specific random numbers, so these values are global.
     """

@@ -1,6 +1,6 @@
 """Two or more runs' settings compared key by key: each setting as canonical text by 'section.key', a digest of them
 all, and the keys that differ named with their values. The ranks of one job (check_same_config) and the replica
-groups of a fault-tolerant job (titanlite/parallel/ft.py) compare through it. No torch here."""
+groups of a fault-tolerant job (titanlite/parallel/ft/checks.py) compare through it. No torch here."""
 
 from __future__ import annotations
 

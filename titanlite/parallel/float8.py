@@ -2,8 +2,9 @@
 
 Weights keep their names and their dtype (float8 exists only inside each matmul), so checkpoints, exports and
 resumes are those of a bf16 run. With tensorwise scaling FSDP may all-gather the weights in float8; their scales are
-then computed for all of them at once (`float8_scale_refresh`) whenever the weights change (the first forward, an
-optimizer step, a fault-tolerant heal or sync), over every rank that holds a part of a weight: without it an FSDP
+then computed for all of them at once (`float8_scale_refresh`) whenever the weights change (the run state's
+weights-replaced event, `listen_for_new_weights`: the first forward after a load, an optimizer step, a fault-tolerant
+heal or sync), over every rank that holds a part of a weight: without it an FSDP
 all-gather scales by the amax of its data-parallel ranks' part only, which under tensor parallelism differs between
 tp ranks (and a resumed run's first step would differ from the run it resumes).
 """
@@ -17,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from titanlite.run_state import LOADED, RunState
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper onwards
 
@@ -100,3 +103,24 @@ def at_first_forward(model: nn.Module, refresh: Callable[[], None]) -> None:
         refresh()
 
     handle = model.register_forward_pre_hook(first_forward)  # after FSDP's own pre-forward, which comes first
+
+
+def listen_for_new_weights(state: RunState, model: nn.Module, float8_cfg) -> None:
+    """[float8] with float8 all-gathers: every float8 weight's scale recomputed each time the run state's weights are
+    replaced; nothing otherwise."""
+    refresh = float8_scale_refresh(model, float8_cfg)
+    if refresh is not None:
+        state.on_weights_replaced(scale_refresher(model, refresh))
+
+
+def scale_refresher(model: nn.Module, refresh: Callable[[], None]) -> Callable[[str], None]:
+    """The weights-replaced listener that runs `refresh`: at once, or after a load at the model's next forward
+    (at_first_forward)."""
+
+    def on_new_weights(why: str) -> None:
+        if why == LOADED:
+            at_first_forward(model, refresh)
+        else:
+            refresh()
+
+    return on_new_weights

@@ -73,7 +73,7 @@ def diloco_copies(cfg) -> int:
 def optimizer_states(cfg):
     """fp32 copies of a trained weight the optimizers keep, as a function of (name, parameter): the optimizer's states
     (Muon: one momentum for the blocks' matrices, AdamW's two for the rest), and under DiLoCo (fault_tolerance.mode)
-    the global weights and the outer momentum (parallel/ft_diloco.py)."""
+    the global weights and the outer momentum (parallel/ft/diloco.py)."""
     outer = diloco_copies(cfg)
     if cfg.optimizer.name.lower() == "muon":
         return lambda name, p: (1 if is_muon_matrix(name, p) else 2) + outer

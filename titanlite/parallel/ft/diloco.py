@@ -12,7 +12,7 @@ A group that joins (started or restarted) meets the others at their next sync: i
 sync that fails (a group died during it) is retried with the live groups; the round's inner steps are kept.
 
 torchft's own DiLoCo (torchft.local_sgd) starts the quorum in an optimizer hook and loses a round when a sync fails;
-titanlite keeps its per-group quorum, healing, settings and weights checks (parallel/ft_groups.py) and the outer state
+titanlite keeps its per-group quorum, healing, settings and weights checks (parallel/ft/groups.py) and the outer state
 in its checkpoints, so the rounds are counted here, on torchft's Manager.
 """
 
@@ -26,9 +26,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanlite.compat import quorum_id
-from titanlite.parallel.ft import TOKENS, NoReplicaGroups, weights_fingerprint
-from titanlite.parallel.ft_groups import ReplicaGroups
-from titanlite.parallel.ft_heal import local
+from titanlite.parallel.ft.checks import TOKENS, weights_fingerprint
+from titanlite.parallel.ft.groups import ReplicaGroups
+from titanlite.parallel.ft.heal import local
+from titanlite.parallel.ft.protocol import Next
+from titanlite.run_state import SYNCED, RunState
 
 logger = logging.getLogger("titanlite")
 
@@ -165,55 +167,53 @@ def _placed_like(param, t: torch.Tensor):
     return t
 
 
-def replica_groups(cfg, trainer, env):
-    """This group's side of a fault-tolerant job (DilocoGroups in diloco mode, ReplicaGroups in sync mode), or the
-    stand-in that does nothing when [fault_tolerance] is off."""
-    ft = cfg.fault_tolerance
-    if not ft.enable:
-        return NoReplicaGroups()
-    return DilocoGroups(cfg, trainer, env) if ft.mode == "diloco" else ReplicaGroups(cfg, trainer, env)
-
-
-def outer_optimizer(cfg, model) -> OuterOptimizer | None:
-    """DiLoCo's outer state for a fault-tolerant job in diloco mode, else None."""
-    ft = cfg.fault_tolerance
-    return OuterOptimizer(model, ft) if ft.enable and ft.mode == "diloco" else None
-
-
 class DilocoGroups(ReplicaGroups):
-    """This group's side of a DiLoCo job: inner steps alone, a sync with the live groups at each round's end."""
+    """This group's side of a DiLoCo job: inner steps alone, a sync with the live groups at each round's end. The
+    run state's `outer` is DiLoCo's outer state (OuterOptimizer)."""
 
-    def __init__(self, cfg, trainer, env):
-        self.outer: OuterOptimizer = trainer.outer
+    def __init__(self, cfg, state: RunState, env, **services):
+        self.outer: OuterOptimizer = state.outer
+        if (note := self.outer.after_load(state.step)) and env.rank == 0:
+            logger.warning(note)
         self.synced = False  # whether this process took part in a sync yet (a group that starts joins at once)
         self.round_began = time.monotonic()
         self.warned_round = False
-        super().__init__(cfg, trainer, env)
+        super().__init__(cfg, state, env, **services)
         self.participants = 1  # each inner step averages its gradients inside the group only
         # aux_free MoE routing biases: each group moves its own during a round; a sync averages them
         self.averaged_buffers = self.balance.routing_biases() if self.balance is not None else []
         self.payload = self.outer.payload_bytes() + sum(b.numel() * 4 for b in self.averaged_buffers)
 
-    # ---------------------------------------------------------------- the loop's calls
+    # ---------------------------------------------------------------- around the step (parallel/ft/protocol.py)
 
-    def begin_step(self) -> bool:
-        """A group that starts (or restarts) syncs before its first step: it heals there when it is behind."""
-        return False if self.synced else self._sync()
+    def unfinished(self, state: RunState, steps: int) -> bool:
+        """Whether a step is still to come, or the last sync (a group resumed at the job's last step whose last
+        sync a stop interrupted still owes it)."""
+        return state.step < steps or (not self.synced and self._contributes())
 
-    def end_step(self) -> bool:
-        """After an inner step: at a round's end (and the job's last step), the sync; True when a stop signal came
-        while waiting for its quorum (what was trained is saved; a relaunch syncs first)."""
+    def before_step(self, state: RunState) -> Next:
+        """A group that starts (or restarts) syncs before its first step: it heals there when it is behind, and
+        stops when that took it to the job's end."""
+        if not self.synced and self._sync():
+            return Next.STOP
+        return Next.STOP if self._reached_the_end() else Next.GO_ON
+
+    def after_step(self, state: RunState, committed: bool) -> Next:
+        """After an inner step: at a round's end (and the job's last step), the sync; STOP when a stop signal came
+        while waiting for its quorum (what was trained is saved; a relaunch syncs first); REPLACED when this group
+        healed there (a peer's step, weights and data position now)."""
         if not self._at_round_end():
-            return False
+            return Next.GO_ON
         self._warn_if_rounds_outlast_the_quorum_wait()
-        return self._sync()
-
-    def sync_pending(self) -> bool:
-        """A group resumed at the job's last step whose last sync a stop interrupted still owes it."""
-        return not self.synced and self._contributes()
+        trained = state.step
+        if self._sync():
+            return Next.STOP
+        if state.step == trained:
+            return Next.GO_ON
+        return Next.STOP if self._reached_the_end() else Next.REPLACED
 
     def _at_round_end(self) -> bool:
-        step = self.trainer.step
+        step = self.state.step
         return step % self.ft.sync_every == 0 or step == self.cfg.training.steps
 
     def _warn_if_rounds_outlast_the_quorum_wait(self) -> None:
@@ -230,9 +230,6 @@ class DilocoGroups(ReplicaGroups):
 
     def _quorum_step(self, manager_step: int) -> int:
         return manager_step // 2  # (see _sync)
-
-    def known_tokens(self, tokens: int) -> None:
-        return None  # counted inside the group (global_tokens)
 
     def global_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This group's counted tokens: an inner step is a mean over its own part of the batch."""
@@ -251,9 +248,6 @@ class DilocoGroups(ReplicaGroups):
         """Inner steps report this group's own loss and loads."""
         return value.detach().to(torch.float64)
 
-    def count_skipped(self, global_batch_size: int) -> None:
-        pass  # counted per round, at each sync
-
     def label(self) -> str:
         return f"{self.live}/{self.ft.group_count}"
 
@@ -261,23 +255,23 @@ class DilocoGroups(ReplicaGroups):
 
     def _contributes(self) -> bool:
         """Whether this group trained inner steps since its global weights were set, and is at a round's end."""
-        return self._at_round_end() and self.trainer.step > self.outer.synced_step
+        return self._at_round_end() and self.state.step > self.outer.synced_step
 
     def _sync(self) -> bool:
         """Quorum, then the sum of the contributing groups' pseudo-gradients and their count (with the ids,
         settings and weights check), commit; retried with the live groups until it commits. True on a stop."""
-        trainer, before = self.trainer, self.trainer.step
+        state, before = self.state, self.state.step
         while True:
-            trainer.hang.phase(f"after step {trainer.step}: DiLoCo sync, waiting for a quorum of replica groups")
+            self.hang.phase(f"after step {state.step}: DiLoCo sync, waiting for a quorum of replica groups")
             # torchft heals a group whose step is below the others'. The step says where the group is, and whether
             # it made the sync at that step already: a group past it is ahead of one that still owes it.
-            position = 2 * trainer.step + (self.outer.synced_step == trainer.step)
+            position = 2 * state.step + (self.outer.synced_step == state.step)
             self.manager.load_state_dict({"step": position, "batches_committed": position})
             if self._await_quorum():
                 return True
             mine = self._contributes()  # (not after healing here: _load)
             self.weights = 1 + self.outer.fingerprint()
-            trainer.hang.phase(f"after step {trainer.step}: DiLoCo sync, averaging the pseudo-gradients")
+            self.hang.phase(f"after step {state.step}: DiLoCo sync, averaging the pseudo-gradients")
             total = self._sum_over_groups(self.step_vector(float(mine)))
             flats = [f.to(self.env.device) if mine else torch.zeros_like(f, device=self.env.device)
                      for f in self._payload()]  # fmt: skip
@@ -287,23 +281,24 @@ class DilocoGroups(ReplicaGroups):
                 self._check(total)
             if self.manager.should_commit():
                 break
-            logger.warning(f"DiLoCo: the sync after step {trainer.step} failed (a group left); retrying it")
+            logger.warning(f"DiLoCo: the sync after step {state.step} failed (a group left); retrying it")
         self.committed += 1
         contributors = int(round(float(total[TOKENS])))
-        if trainer.step != before:
-            self.healed_at.append(trainer.step)
+        if state.step != before:
+            self.healed_at.append(state.step)
             logger.info(
-                f"Fault tolerance: healed from a live group at step {trainer.step} (global weights, outer momentum, "
+                f"Fault tolerance: healed from a live group at step {state.step} (global weights, outer momentum, "
                 f"optimizer, schedule and data position); {self.live} of {self.ft.group_count} groups live"
             )
         if contributors:  # (none at a sync where every group joins mid-round: the round goes on)
             absent = self.ft.group_count - contributors
-            rounds = trainer.step - self.outer.synced_step
-            self.skipped_sequences += absent * rounds * trainer.global_batch_size // self.ft.group_count
+            rounds = state.step - self.outer.synced_step
+            self.skipped_sequences += absent * rounds * self.global_batch_size // self.ft.group_count
             self._apply(flats, contributors)
         self.synced, self.round_began = True, time.monotonic()
         self.quorum_seen = quorum_id(self.manager)  # compared at this sync: not hashed again
         self._after_quorum()
+        self._say_if_moved()
         return False
 
     def _payload(self) -> list[torch.Tensor]:
@@ -319,14 +314,14 @@ class DilocoGroups(ReplicaGroups):
         return total.cpu()
 
     def _apply(self, flats: list[torch.Tensor], contributors: int) -> None:
-        step = self.trainer.step
+        step = self.state.step
         if self.averaged_buffers:
             mean = flats.pop() / contributors
             with torch.no_grad():
                 for b, part in zip(self.averaged_buffers, mean.split([b.numel() for b in self.averaged_buffers])):
                     b.copy_(part.view_as(b))
         self.outer.outer_step(flats, contributors, step)
-        self._moved = True
+        self._moved = SYNCED
         if self.env.rank == 0:
             logger.info(
                 f"DiLoCo: outer step after step {step}: the pseudo-gradients of {contributors} of "
@@ -343,4 +338,4 @@ class DilocoGroups(ReplicaGroups):
         nothing since them), which holds also when the sync is retried or a stop saves it before the sync."""
         super()._load(state)
         self.outer.take(state["diloco"])
-        self.outer.synced_step = self.trainer.step
+        self.outer.synced_step = self.state.step

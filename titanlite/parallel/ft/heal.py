@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config.compare import describe_difference
 from titanlite.errors import ConfigError
+from titanlite.run_state import RunState
 
 
 def local(t):
@@ -32,26 +33,26 @@ def healed_names(model: torch.nn.Module, lora: bool) -> set[str]:
     return names & kept
 
 
-def peer_state(trainer, settings: dict[str, str], names: set[str]) -> dict:
-    """What this rank sends to the same rank of a group that heals."""
-    opt = trainer.optimizer.state_dict()
+def peer_state(state: RunState, settings: dict[str, str], names: set[str]) -> dict:
+    """What this rank sends to the same rank of a group that heals: its part of the run state."""
+    opt = state.optimizer.state_dict()
     return {
-        "model": {k: local(v) for k, v in trainer.model.state_dict().items() if k in names},
+        "model": {k: local(v) for k, v in state.model.state_dict().items() if k in names},
         "optimizer": {
             "state": {i: {k: local(v) for k, v in s.items()} for i, s in opt["state"].items()},
             "param_groups": opt["param_groups"],
         },
-        "lr_scheduler": trainer.lr_scheduler.state_dict(),
-        "dataloader": trainer.dataloader.state_dict(),
-        "step": trainer.step,
-        "tokens_seen": trainer.tokens_seen,
+        "lr_scheduler": state.lr_scheduler.state_dict(),
+        "dataloader": state.dataloader.state_dict(),
+        "step": state.step,
+        "tokens_seen": state.tokens_seen,
         "settings": settings,
     }
 
 
-def take_state(trainer, state: dict, settings: dict[str, str], names: set[str]) -> None:
-    """Take a live peer's state (peer_state); refused, naming the keys, when its shared settings differ: its tensors'
-    shapes and meaning follow them."""
+def take_state(run: RunState, state: dict, settings: dict[str, str], names: set[str]) -> None:
+    """Take a live peer's state (peer_state) into the run state; refused, naming the keys, when its shared settings
+    differ: its tensors' shapes and meaning follow them."""
     peer = state.get("settings", {})
     if peer != settings:
         keys = sorted(k for k in settings.keys() | peer.keys() if settings.get(k) != peer.get(k))
@@ -62,18 +63,18 @@ def take_state(trainer, state: dict, settings: dict[str, str], names: set[str]) 
             "fault_tolerance.replica_id may differ)"
         )
     with torch.no_grad():
-        for k, v in trainer.model.state_dict().items():
+        for k, v in run.model.state_dict().items():
             if k in names:
                 local(v).copy_(state["model"][k])
-    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
     opt_state = {}
     for i, s in state["optimizer"]["state"].items():
         p = params[int(i)]
         opt_state[int(i)] = {k: _like(p, v) for k, v in s.items()}
-    trainer.optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
-    trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    trainer.dataloader.load_state_dict(state["dataloader"])
-    trainer.step, trainer.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+    run.optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
+    run.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    run.dataloader.load_state_dict(state["dataloader"])
+    run.step, run.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
 
 def _like(param, value):
