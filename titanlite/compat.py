@@ -286,3 +286,29 @@ def quorum_id(manager) -> int | None:
     """The id of a torchft Manager's current quorum (its private _quorum_id), the same for every group of a quorum;
     None before the first."""
     return getattr(manager, "_quorum_id", None)
+
+
+def transformers_load(model, folder: str, files: list[str]):
+    """transformers' own loading of safetensors `files` into `model` (its renamings, fused experts, DTensor shards
+    read in place); its report (missing_keys, unexpected_keys, mismatched_keys). Private API of transformers 5.x
+    (PreTrainedModel._load_pretrained_model): its from_pretrained builds a new model, titanlite's is built sharded."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as transformers_logging
+
+    # a multimodal folder's text model under older prefixes (Gemma 3's; the class's own mapping takes newer ones)
+    text_model = [
+        WeightRenaming(r"^language_model\.model\.", "model."),
+        WeightRenaming(r"^language_model\.lm_head\.", "lm_head."),
+        WeightRenaming(r"^model\.language_model\.", "model."),
+    ]
+    config = LoadStateDictConfig(
+        pretrained_model_name_or_path=folder, weight_mapping=text_model + get_model_conversion_mapping(model)
+    )
+    transformers_logging.disable_progress_bar()
+    info, _ = type(model)._load_pretrained_model(model, None, files, config)
+    # what it recorded for saving would write the folder's layout back (a multimodal one's prefixes): the export is
+    # the text class's own layout, as for a model built from its config
+    vars(model).pop("_weight_conversions", None)
+    return info

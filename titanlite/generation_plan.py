@@ -20,7 +20,8 @@ from titanlite.errors import ConfigError
 from titanlite.generation import inference_model, load_adapters, load_weights, resolve_checkpoint, settle_lora
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, is_hf_folder
-from titanlite.models.registry import family_of_folder, model_args
+from titanlite.models.registry import BACKEND, family_of_folder, model_label, native_family
+from titanlite.models.resolve import resolved_model_args
 from titanlite.parallel.dims import ParallelDims
 from titanlite.plan import check_parallelism
 from titanlite.runtime.distributed import init_distributed, pick_device, world_size_from_env
@@ -65,9 +66,17 @@ def plan_generation(checkpoint_arg: str, config: str, overrides: list[str]) -> G
     folder = hf_folder(cfg.checkpoint.initial_load_path)
     # Positions up to the model's own limit (its context, or what its RoPE scaling reaches), not training's seq_len:
     # generation has no activations to bound them; a larger training.seq_len raises the cap further.
-    limit = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder).position_limit()
+    limit = resolved_model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder).position_limit()
     cfg.training.seq_len = max(cfg.training.seq_len, limit)
-    args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
+    args = resolved_model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
+    if args.family == BACKEND:
+        raise ConfigError(
+            f"python -m titanlite.generate: {folder}/config.json's model_type "
+            f"{args.model_type.removesuffix('_text')!r} is built by the transformers backend "
+            f"({model_label(cfg.model, args)}), which titanlite trains but does not sample from yet (its KV cache is "
+            "titanlite's own); load the folder, or the run's HF export (checkpoint.last_save_in_hf), with "
+            "transformers and call its generate()"
+        )
     if dims is not None:
         check_parallelism(cfg, dims, args, None, inference=True)
     return GenerationPlan(cfg, dims, checkpoint, tokenizer, args)
@@ -81,7 +90,7 @@ def hf_folder_overrides(checkpoint_arg: str, overrides: list[str]) -> list[str]:
     given = given_keys(overrides)
     hf = ["--model.flavor", "hf", "--checkpoint.initial_load_path", checkpoint_arg]
     if "model.name" not in given:
-        hf += ["--model.name", family_of_folder(checkpoint_arg)]
+        hf += ["--model.name", family_of_folder(checkpoint_arg) if native_family(checkpoint_arg) else BACKEND]
     if (Path(checkpoint_arg) / "tokenizer.json").is_file() and "model.tokenizer_path" not in given:
         hf += ["--model.tokenizer_path", checkpoint_arg]
     return hf

@@ -115,7 +115,7 @@ def build_for_inference(cfg: JobConfig, args, meshes: Meshes | None) -> BuiltMod
 
 def _on_meta(cfg: JobConfig, args) -> torch.nn.Module:
     with torch.device("meta"):
-        return model_class(cfg.model.name)(args)
+        return model_class(args.family)(args)
 
 
 def _experts(model, args, meshes: Meshes | None, load_balance: str, tp: int) -> None:

@@ -28,7 +28,9 @@ from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, missing_weights_note
 from titanlite.models.lora import apply_lora, lora_problem
 from titanlite.models.nf4 import qlora_problem
-from titanlite.models.registry import model_args, model_class
+from titanlite.models.registry import BACKEND, model_class
+from titanlite.models.resolve import resolved_model_args
+from titanlite.models.transformers_backend.support import problem as backend_problem
 from titanlite.muon import muon_problem
 from titanlite.observe.wandb_tracker import wandb_problem
 from titanlite.parallel import ac, cp, ep, float8, fsdp, ft, pp, tp
@@ -67,7 +69,7 @@ def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
     """The shapes a checkpoint of this run holds, from a model on the meta device (nothing allocated): the state
     dict, or with LoRA what trains (the adapters) and the buffers."""
     with torch.device("meta"):
-        model = model_class(cfg.model.name)(args)
+        model = model_class(args.family)(args)
     if not cfg.lora.enable:
         return {name: tuple(t.shape) for name, t in model.state_dict().items()}
     apply_lora(model, cfg.lora)
@@ -162,6 +164,8 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     folder = hf_folder(cfg.checkpoint.initial_load_path)
     start = Path(cfg.checkpoint.initial_load_path).expanduser()
+    if folder is None and cfg.model.name == BACKEND and (start / "config.json").is_file():
+        folder = start  # the transformers backend from a config alone: the weights are drawn from training.seed
     if folder is None and cfg.model.flavor == "hf" and (start / "config.json").is_file():
         raise ConfigError(f"checkpoint.initial_load_path = {str(start)!r} {missing_weights_note(start)}")
     if folder is None and cfg.model.flavor == "hf" and (start / "model_args.json").is_file():
@@ -171,9 +175,11 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
             f"titanlite.checkpoint export --checkpoint {start} --format hf --output <folder>) and set "
             "checkpoint.initial_load_path to that folder"
         )
-    args = model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
-    if folder is not None:
+    args = resolved_model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
+    if folder is not None and args.family != BACKEND:  # (the backend's loader names what a folder lacks)
         check_hf_weights(folder, args)  # names and shapes from the safetensors headers only
+    if args.family == BACKEND and (problem := backend_problem(cfg, dims, args)):
+        raise ConfigError(problem)
     check_parallelism(cfg, dims, args, device_type)
     check_adapters_and_optimizer(cfg, dims, args, device_type)
     if problem := wandb_problem(cfg.metrics):

@@ -22,7 +22,10 @@ def write_hf_copy(cfg, model, tokenizer, step: int, rank: int):
     local = Path(cfg.job.dump_folder) / out.name if is_remote(out) else out
     t0 = time.perf_counter()
     dtype, started_from = TORCH_DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.initial_load_path
-    save_hf_sharded(model, local, dtype, tokenizer, started_from=started_from)
+    if hasattr(model, "save_hf_folder"):  # the transformers backend: transformers' own layout
+        model.save_hf_folder(local, dtype)
+    else:
+        save_hf_sharded(model, local, dtype, tokenizer, started_from=started_from)
     if local != out and rank == 0:
         try:
             remove_tree(out)

@@ -35,7 +35,9 @@ def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
     """Fill the (sharded) model's weights from `path`; each rank reads or keeps only its shards."""
     t0 = time.perf_counter()
     quantized = quantized_weights(model)  # QLoRA's 4-bit weights: read whole, one block at a time
-    if not is_remote(path) and is_hf_folder(path):  # a remote one was copied here before launch (remote_inputs)
+    if hasattr(model, "load_hf_folder"):  # the transformers backend: transformers' own names and loader
+        model.load_hf_folder(path)
+    elif not is_remote(path) and is_hf_folder(path):  # a remote one was copied here before launch (remote_inputs)
         load_hf_weights(model, path)
     elif path.is_dir():
         try:

@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from titanlite.checkpoint.backend_export import export_backend
 from titanlite.checkpoint.catalog import read_metadata
 from titanlite.checkpoint.consolidated import export, model_prefix, resolve_step
 from titanlite.checkpoint.export_target import check_target, write_atomically
@@ -31,7 +32,7 @@ from titanlite.errors import ConfigError
 from titanlite.model_builder import build_model
 from titanlite.models.args import args_from_dict
 from titanlite.models.hf_names import hf_shapes
-from titanlite.models.registry import FAMILIES
+from titanlite.models.registry import BACKEND, FAMILIES
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -79,6 +80,11 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
         raise ConfigError(
             f"--checkpoint {step} has no readable model_args.json / job_config.toml (saved by titanlite since "
             f"HF export exists); export --format consolidated, or save it again with this version"
+        )
+    if saved_args.get("family") == BACKEND:  # transformers' own class writes its folder
+        cast = TORCH_DTYPES[dtype] if dtype else None
+        return write_atomically(
+            output, True, lambda tmp: export_backend(step, model_prefix(metadata), tmp, saved_args, cast)
         )
     try:
         args = args_from_dict(saved_args)

@@ -16,7 +16,7 @@ from titanlite.config.float8 import Float8
 from titanlite.config.lora import Lora
 from titanlite.config.optimizer import Optimizer
 from titanlite.config.parallelism import Parallelism
-from titanlite.models.registry import FAMILIES
+from titanlite.models.registry import BACKEND, FAMILIES
 
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 
@@ -33,16 +33,19 @@ class Job:
 class Model:
     name: str = setting(
         "llama3",
-        "model family: llama3, qwen3, qwen2, mistral, qwen3_moe or mixtral (docs/model_families.md, docs/moe.md)",
-        one_of(*FAMILIES),
-        " or ".join(FAMILIES),
+        "model family: llama3, qwen3, qwen2, mistral, qwen3_moe or mixtral (docs/model_families.md, docs/moe.md); "
+        "transformers: any causal LM that transformers implements, as its own class, from the HuggingFace folder in "
+        "checkpoint.initial_load_path (model.flavor = hf; a folder no family implements goes there by itself)",
+        one_of(*FAMILIES, BACKEND),
+        " or ".join([*FAMILIES, BACKEND]),
     )
     flavor: str = setting(
         "debugmodel",
         "model size: debugmodel and tiny (every family); llama3: 8B, 70B (Llama 3), 3.1-8B, 3.1-70B, 405B (3.1), "
         "1B, 3B (3.2), 3.3-70B; qwen3: 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe: 30B-A3B, 235B-A22B; hf = the shape "
         "of the HuggingFace folder in "
-        "checkpoint.initial_load_path (its config.json's family must be model.name)",
+        "checkpoint.initial_load_path (its config.json's family must be model.name; a model_type no family "
+        "implements: the transformers backend)",
     )
     tokenizer_path: str = setting(
         "", "HuggingFace tokenizer: a tokenizer.json or a folder with one (a HF model folder); '' = built-in bytes"

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from titanlite.models.args import ModelArgs
 
+BACKEND = "transformers"  # model.name of the transformers backend (models/transformers_backend/): no family folder
+
 
 def no_extra_checks(config: dict, file: str) -> None:
     """A family whose config.json holds nothing beyond the shared fields to refuse."""

@@ -205,5 +205,5 @@ def qlora_problem(cfg, dims, args, installed: bool = True) -> str | None:
             "even number of weights; valid: an even number > 0 (QLoRA's 64)"
         )
     with torch.device("meta"):
-        model = model_class(cfg.model.name)(args)
+        model = model_class(args.family)(args)
     return nf4_problem(model, dims.fsdp_size, lora.nf4_block_size, lora.nf4_scaler_block_size)

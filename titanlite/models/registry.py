@@ -8,12 +8,14 @@ under models/ (see models/family.py) and one entry in FAMILIES.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import pathlib
 
 from titanlite.errors import ConfigError
 from titanlite.models import deepseek_v3, glm4_moe, gpt_oss, llama3, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from titanlite.models.args import ModelArgs, RopeScaling
-from titanlite.models.family import Family
+from titanlite.models.family import BACKEND, Family
 from titanlite.models.hf_config import (
     CONFIG,
     architecture_of,
@@ -24,7 +26,10 @@ from titanlite.models.hf_config import (
 )
 from titanlite.models.hf_rope import yarn_mscale
 
+logger = logging.getLogger("titanlite")
+
 HF_FLAVOR = "hf"  # the shape comes from a HuggingFace folder's config.json
+BACKEND_MODEL = "titanlite.models.transformers_backend.model:BackendModel"
 
 # One line per family: its folder's FAMILY.
 FAMILIES: dict[str, Family] = {
@@ -44,14 +49,16 @@ FAMILIES: dict[str, Family] = {
 
 
 def flavors(name: str) -> list[str]:
-    """The flavor names of a model family."""
+    """The flavor names of a model family (the transformers backend's: hf only)."""
+    if name == BACKEND:
+        return [HF_FLAVOR]
     family = FAMILIES.get(name)
     return [*family.flavors, HF_FLAVOR] if family else []
 
 
 def model_class(name: str) -> type:
-    """The nn.Module class of a model family (imports torch)."""
-    module, _, cls = FAMILIES[name].model.partition(":")
+    """The nn.Module class of a model family or of the transformers backend (imports torch)."""
+    module, _, cls = (BACKEND_MODEL if name == BACKEND else FAMILIES[name].model).partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -113,12 +120,44 @@ def _check_tie_override(tie: bool | None, args: ModelArgs, folder) -> None:
         )
 
 
+def model_label(model_cfg, args) -> str:
+    """The model as log lines name it: 'qwen3 8B', or 'transformers (qwen3_5_text)' for the backend."""
+    if args.family == BACKEND:
+        return f"{BACKEND} ({args.hf_config.get('model_type', '?')})"
+    return f"{model_cfg.name} {model_cfg.flavor}"
+
+
+def native_family(folder) -> bool:
+    """Whether a HuggingFace folder's config.json is of a model_type one of titanlite's families implements."""
+    model_type, _ = architecture_of(read_config(folder), str(folder))
+    return any(model_type in (f.hf.model_type, *f.hf.model_type_aliases) for f in FAMILIES.values())
+
+
+def goes_to_backend(model_cfg, hf_folder) -> bool:
+    """Whether the model is built by the transformers backend: model.name = 'transformers', or a HuggingFace folder
+    whose model_type no family implements (logged)."""
+    if model_cfg.name == BACKEND:
+        return True
+    if hf_folder is None or native_family(hf_folder):
+        return False
+    model_type, _ = architecture_of(read_config(hf_folder), str(hf_folder))
+    if os.environ.get("RANK", "0") == "0":
+        logger.info(
+            f"{hf_folder}/config.json: model_type {model_type!r} is not one of titanlite's families: built as "
+            f"transformers' own class (model.name = {BACKEND!r}, docs/model_families.md)"
+        )
+    return True
+
+
 def model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_folder=None) -> ModelArgs:
     """The arguments for a [model] config section, with the vocabulary sized for the tokenizer.
 
     hf_folder: a HuggingFace model folder the weights come from; with flavor "hf" its config.json gives
-    the shape, with any other flavor every field the weights depend on must agree with it.
+    the shape, with any other flavor every field the weights depend on must agree with it. (The transformers
+    backend's: models/resolve.py.)
     """
+    if model_cfg.name == BACKEND:
+        raise ValueError("the transformers backend's arguments come from models.resolve.resolved_model_args")
     if model_cfg.flavor == HF_FLAVOR:
         if hf_folder is None:
             raise ConfigError(

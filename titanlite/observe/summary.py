@@ -8,6 +8,7 @@ from torch import nn
 
 from titanlite.dtypes import dtype_bytes
 from titanlite.models.nf4 import local_nf4
+from titanlite.models.registry import model_label
 from titanlite.sizing.flops import flops_per_token, param_counts
 from titanlite.sizing.memory import Packed, nf4_bits, optimizer_state_text, optimizer_states, sharded_state_bytes
 
@@ -90,7 +91,7 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
         f"(replicate {dims.dp_replicate} x shard {dims.dp_shard})"
         + (f" x tensor parallel {dims.tp}" if dims.tp > 1 else "")
         + (f" x pipeline parallel {dims.pp}" if getattr(dims, "pp", 1) > 1 else ""),
-        f"Model {cfg.model.name} {cfg.model.flavor}: {counts['total']:,} parameters "
+        f"Model {model_label(cfg.model, model_args)}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding), {local:,} on this rank (its shards)",
         f"Per-rank memory estimate: parameters {human_bytes(mem.params)} + gradients "
         f"{human_bytes(mem.grads)} + optimizer {human_bytes(mem.optimizer)} ({optimizer_state_text(cfg)}) = "

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from titanlite.compat import fake_store
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model, chunked_loss_tokens, compiled_loss
-from titanlite.models.registry import model_class
+from titanlite.models.registry import model_class, model_label
 from titanlite.models.stage import part_sizes
 from titanlite.parallel.fsdp import describe
 from titanlite.parallel.pp import bubble_fraction, pipeline_microbatches, rank_stages, stage_blocks, stages_per_rank
@@ -127,7 +127,7 @@ def pipeline_report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float, 
     """The dry run's report under pipeline parallelism (lines, fits): one row per pipeline rank."""
     dims, args, t, p = plan.dims, plan.model_args, cfg.training, cfg.parallelism
     with torch.device("meta"):
-        split = stage_blocks(p, part_sizes(model_class(cfg.model.name)(args)))
+        split = stage_blocks(p, part_sizes(model_class(args.family)(args)))
     built: dict = {}
     ranks = [rank_memory(cfg, plan, world_size, r, split, built) for r in range(dims.pp)]
     m, v = pipeline_microbatches(p, t.local_batch_size), stages_per_rank(p)
@@ -139,7 +139,7 @@ def pipeline_report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float, 
         f"titanlite dry run: {cfg.job.config_file or 'defaults'}",
         f"world: {world_size} ranks = {where}; no GPU and no real process group used",
         *ranks[0].setup,
-        f"model: {cfg.model.name} {cfg.model.flavor}, {args.param_counts()['total'] / 1e9:.2f}B parameters, "
+        f"model: {model_label(cfg.model, args)}, {args.param_counts()['total'] / 1e9:.2f}B parameters, "
         f"{args.n_layers} blocks in {dims.pp * v} stages of {split} (by parameters)",
         f"pipeline: {p.pipeline_parallel_schedule}, {dims.pp} ranks x {v} stage(s), {m} microbatches of "
         f"{t.local_batch_size // m} x {t.seq_len} tokens per local batch, {plan.grad_accum} local batch(es) per "

@@ -16,6 +16,7 @@ from titanlite.compat import fake_store
 from titanlite.config import gradient_sync_mode
 from titanlite.dtypes import dtype_bytes
 from titanlite.model_builder import build_model, chunked_loss_tokens, compiled_loss
+from titanlite.models.registry import BACKEND, model_label
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.ac import ac_label, describe_ac_compile
 from titanlite.parallel.compile import compile_problem
@@ -318,7 +319,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
         ]
         + lines
         + [
-            f"model: {cfg.model.name} {cfg.model.flavor}, {total_params / 1e9:.2f}B parameters, "
+            f"model: {model_label(cfg.model, args)}, {total_params / 1e9:.2f}B parameters, "
             f"{args.n_layers} blocks; "
             f"per rank {t.local_batch_size} x {t.seq_len} tokens per microbatch, {plan.grad_accum} microbatch(es) "
             f"per step",
@@ -336,7 +337,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
                 est.optimizer,
             ),  # fmt: skip
             row("FSDP buffers", "at the peak: gathered units + unsharded grads", buffers),
-            row("activations", _activation_text(tokens, p_dtype, ac_label(ac)), act["total"]),
+            row("activations", _activation_text(tokens, p_dtype, ac_label(ac)) + _approximate(args), act["total"]),
         ]
         + [row("", f"  {k}", v) for k, v in act.items() if k != "total"]
         + [
@@ -360,3 +361,8 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
     if problem:
         lines.append(f"note: not checked here, but the GPU run will need it: {problem}")
     return lines, fits
+
+
+def _approximate(args) -> str:
+    """A transformers backend model's activations are the native decoder's per-layer estimate at its sizes."""
+    return " (approx.)" if args.family == BACKEND else ""

@@ -1,0 +1,313 @@
+"""The transformers backend (model.name = "transformers"): tiny random models of the architectures people fine-tune
+now, saved by transformers, give transformers' own logits, the same losses at 1 process and FSDP(2) (and HSDP 2x2),
+an exact resume on another topology, an HF export transformers loads with equal logits, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import make_trainer, run_distributed, tiny_argv
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300  # above the built-in byte tokenizer's
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=96, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+LINEAR = dict(
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention"], head_dim=16,
+)  # fmt: skip
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+DSA = dict(
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
+    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+    first_k_dense_replace=1, index_topk=4, index_head_dim=16, index_n_heads=2, num_key_value_heads=4,
+)  # fmt: skip
+SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+
+# name -> (model_type, config keywords, whether the folder is a multimodal model's)
+CASES = {
+    "qwen3_5": ("qwen3_5", dict(text_config=dict(**COMMON, **LINEAR)), True),
+    "qwen3_5_moe": ("qwen3_5_moe", dict(text_config=dict(**COMMON, **MOE, **LINEAR)), True),
+    "gemma3": ("gemma3", dict(text_config=dict(**COMMON, head_dim=16, **SLIDING), vision_config=VISION), True),
+    "olmo3": ("olmo3", dict(**COMMON, **SLIDING), False),
+    "llama4_text": (
+        "llama4_text",
+        dict(
+            **COMMON,
+            head_dim=16,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            attention_chunk_size=8,
+            no_rope_layer_interval=2,
+            interleave_moe_layer_step=1,
+        ),
+        False,
+    ),  # fmt: skip
+    "phi3": ("phi3", dict(COMMON), False),
+    "deepseek_v32": ("deepseek_v32", {**COMMON, **DSA}, False),
+}
+
+
+def hf_folder(root, name: str):
+    """A random transformers model of CASES[name], weights moved far from their init (a wrong name, layout or
+    renaming shows in the logits), saved as transformers saves it; (folder, the model)."""
+    model_type, kw, multimodal = CASES[name]
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(0)
+    auto = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
+    model = auto.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    folder = root / name
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def config_folder(root, name: str):
+    """A folder with only CASES[name]'s config.json (a backend model's shape; weights drawn from the seed)."""
+    model_type, kw, _ = CASES[name]
+    folder = root / f"{name}_config"
+    transformers.AutoConfig.for_model(model_type, **kw).save_pretrained(folder)
+    return folder
+
+
+def _backend_from(folder, attention="causal"):
+    from titanlite.models.transformers_backend.args import backend_args
+    from titanlite.models.transformers_backend.model import BackendModel
+
+    args = backend_args(folder, 258, 64, attention, None)
+    with torch.device("meta"):
+        model = BackendModel(args)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    model.load_hf_folder(folder)
+    return model.eval()
+
+
+SLOW_TO_SAVE = ("qwen3_5", "qwen3_5_moe")  # their vision towers: seconds to build and save
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_SAVE else n for n in sorted(CASES)]
+)
+def test_a_folder_transformers_saved_gives_transformers_logits(tmp_path, name):
+    """Built on the meta device as transformers' own class (the text model of a multimodal folder), filled by
+    transformers' loader into the parameters titanlite made: the logits of transformers' model, to 1e-5."""
+    folder, reference = hf_folder(tmp_path, name)
+    ours = _backend_from(folder)
+    assert list(ours.state_dict())[0] == "model.embed_tokens.weight"  # transformers' names: exports need no mapping
+    x = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=x).logits
+        assert expected.std() > 0.1
+        assert (ours(x) - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3", "llama4_text", "olmo3"])
+def test_a_packed_row_equals_each_document_alone(tmp_path, name):
+    """model.attention = block_causal: documents packed in one row, their positions restarting, give each document's
+    own logits (sliding-window and chunked attention layers included), through transformers' masks."""
+    folder, _ = hf_folder(tmp_path, name)
+    ours = _backend_from(folder, "block_causal")
+    docs = [torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 9, 5)]
+    row = torch.cat(docs, dim=1)
+    positions = torch.cat([torch.arange(d.shape[1]) for d in docs]).unsqueeze(0)
+    with torch.no_grad():
+        packed, start = ours(row, positions), 0
+        for doc in docs:
+            alone = ours(doc, torch.arange(doc.shape[1]).unsqueeze(0))
+            assert (packed[:, start : start + doc.shape[1]] - alone).abs().max() < 1e-5, name
+            start += doc.shape[1]
+        assert (ours(row, torch.arange(row.shape[1]).unsqueeze(0)) - packed).abs().max() > 1e-3  # (it matters)
+
+
+def _shape(argv_extra=(), name="phi3", root=None, folder=None):
+    """validate_for_world of a backend run of CASES[name]'s folder (or `folder`) with these overrides."""
+    from titanlite.config import load
+    from titanlite.plan import validate_for_world
+
+    folder = folder or root / name
+    if not folder.exists():
+        hf_folder(root, name)
+    argv = tiny_argv(root / "run", "--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder), *argv_extra)
+    return validate_for_world(load(argv), 2, device_type=None)
+
+
+def test_a_folder_no_family_implements_goes_to_the_backend_and_a_config_alone_is_enough(tmp_path, caplog):
+    """A Phi-3 folder (no native family) is built by the backend by itself, with a log line; a folder with only a
+    config.json gives the shape (model.name = transformers), counted from the model built on the meta device."""
+    caplog.set_level("INFO", logger="titanlite")
+    plan = _shape(root=tmp_path)
+    assert plan.model_args.family == "transformers" and "is not one of titanlite's families" in caplog.text
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(tmp_path / "phi3" / "config.json", config_only)
+    from titanlite.config import load
+    from titanlite.plan import validate_for_world
+
+    argv = tiny_argv(tmp_path / "run2", "--model.name", "transformers", "--model.flavor", "hf",
+                     "--checkpoint.initial_load_path", str(config_only))  # fmt: skip
+    args = validate_for_world(load(argv), 1, device_type=None).model_args
+    reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(config_only))
+    assert args.param_counts()["total"] == sum(p.numel() for p in reference.parameters())
+    assert args.flops_per_token(32) > 6 * args.param_counts()["active_non_embedding"]
+
+
+REFUSALS = [
+    (["--parallelism.tensor_parallel_degree", "2"], r"tensor_parallel_degree = 2: tensor parallelism is not "),
+    (["--parallelism.context_parallel_degree", "2"], r"context parallelism is not available .* native families"),
+    (["--lora.enable", "true"], r"lora.enable = true is not available for model.name = 'transformers' \(phi3\)"),
+    (["--float8.enable", "true"], r"float8.enable = true is not available"),
+    (["--parallelism.expert_parallel_degree", "2"], r"expert_parallel_degree = 2: expert parallelism is not "),
+    (["--model.vocab_size", "512"], r"model.vocab_size = 512: the transformers backend takes it from .*config.json"),
+]
+
+
+def test_generate_from_a_backend_folder_says_where_to_sample_instead(tmp_path):
+    from titanlite.errors import ConfigError
+    from titanlite.generation_plan import plan_generation
+
+    folder, _ = hf_folder(tmp_path, "phi3")
+    with pytest.raises(ConfigError, match=r"model_type 'phi3' is built by the transformers backend .* not sample"):
+        plan_generation(str(folder), "debug_model", [])
+
+
+@pytest.mark.parametrize("extra,message", REFUSALS)
+def test_what_the_backend_does_not_run_is_refused_in_one_line(tmp_path, extra, message):
+    from titanlite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _shape(extra, root=tmp_path)
+
+
+def test_packing_is_refused_for_layers_that_carry_state_and_bad_folders_in_one_line(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers carry their state across packed documents; a config that needs the folder's
+    code (auto_map), one of a model that is not a causal LM (a vision transformer) and one transformers cannot read
+    are refused."""
+    from titanlite.errors import ConfigError
+
+    qwen3_5 = config_folder(tmp_path, "qwen3_5")
+    backend = ["--model.name", "transformers"]
+    with pytest.raises(ConfigError, match=r"qwen3_5_text's linear attention layers carry their state"):
+        _shape([*backend, "--model.attention", "block_causal"], root=tmp_path, folder=qwen3_5)
+    with pytest.raises(ConfigError, match=r"deepseek_v32's sparse attention indexer chooses its keys across"):
+        _shape(
+            [*backend, "--model.attention", "block_causal"],
+            root=tmp_path,
+            folder=config_folder(tmp_path, "deepseek_v32"),
+        )
+    vit = transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96)
+    for name, edit, message in (
+        ("remote", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, r"auto_map: its model needs code from"),
+        ("vit", vit.to_dict(), r"model_type 'vit' has no causal language model class"),
+        ("unknown", {"model_type": "not_a_model"}, r"model_type 'not_a_model' is not one transformers"),
+        ("broken", {"text_config": {**COMMON, "layer_types": ["nope"]}}, r"transformers cannot read it: .*layer_types"),
+    ):
+        folder = tmp_path / name
+        shutil.copytree(qwen3_5, folder)
+        config = {} if name == "vit" else json.loads((folder / "config.json").read_text())
+        config.update(edit)
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match=message):
+            _shape(backend, root=tmp_path, folder=folder)
+
+
+# olmo3_config: OLMo 3 from its config.json alone, the weights drawn from the seed
+TRAINED = ["phi3", "gemma3", "qwen3_5", "olmo3", "llama4_text", "deepseek_v32", "qwen3_5_moe", "olmo3_config"]
+EXPORTED = ["gemma3", "qwen3_5"]
+X = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
+
+
+def _argv(root, name, run, *extra):
+    return tiny_argv(
+        root / run / name, "--model.flavor", "hf", "--checkpoint.initial_load_path", str(root / name),
+        "--training.steps", "4", "--training.global_batch_size", "4", "--training.local_batch_size", "1",
+        "--checkpoint.enable", "--checkpoint.interval", "2", *extra,
+    )  # fmt: skip
+
+
+# runs of one process with activation checkpointing per decoder layer, and validation
+RECOMPUTED = {
+    "phi3": ["--activation_checkpoint.mode", "full"],
+    "gemma3": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "olmo3": ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"],
+}
+
+
+def _train_each(root, run: str, names, replicate: int = 1):
+    """Each model trained 4 steps on this world (global batch 4), saved at steps 2 and 4 (the exported ones also as
+    an HF folder); the losses, and the final model's logits on X. At one process, the RECOMPUTED runs too."""
+    out = {}
+    if run == "one":
+        for name, extra in RECOMPUTED.items():
+            t = make_trainer(_argv(root, name, "recomputed", *extra))
+            out[f"{name}-recomputed"] = {"losses": t.train(), "validation": t.val_losses}
+    for name in names:
+        extra = ["--parallelism.data_parallel_replicate_degree", str(replicate)]
+        if name in EXPORTED:
+            extra += ["--checkpoint.last_save_in_hf", "true"]
+        if name.endswith("_config"):
+            extra += ["--model.name", "transformers"]
+        t = make_trainer(_argv(root, name, run, *extra))
+        losses = t.train()
+        with torch.no_grad():
+            out[name] = {"losses": losses, "logits": t.model.eval()(X)}
+    return out
+
+
+def _resume_each(root, names):
+    """Each model resumed at step 2 from the FSDP(2) run's checkpoint, on this world: the losses of steps 3 and 4."""
+    out = {}
+    for name in names:
+        shutil.copytree(root / "fsdp2" / name / "checkpoint", root / "resumed" / name / "checkpoint")
+        out[name] = make_trainer(_argv(root, name, "resumed", "--checkpoint.load_step", "2")).train()
+    return out
+
+
+@pytest.mark.slow
+def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(tmp_path):
+    """Seven architectures from their folders and one from its config alone (weights drawn from the seed): the same
+    losses (1e-5) at one process (4 microbatches), FSDP(2) and HSDP(2x2, three of them), and with activation
+    checkpointing per decoder layer (full, selective) and validation at one process; the FSDP(2) run's step-2
+    checkpoint resumed at one process gives its steps 3 and 4; its HF exports (at the last step, and of a saved step
+    by the export command) load in transformers with no missing key and the trained model's logits."""
+    for name in TRAINED:
+        config_folder(tmp_path, name[: -len("_config")]) if name.endswith("_config") else hf_folder(tmp_path, name)
+    one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
+    fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", TRAINED)[0]
+    hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", ["gemma3", "deepseek_v32", "olmo3_config"], 2)[0]
+    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5"])[0]
+    for name in TRAINED:
+        ref = one[name]["losses"]
+        assert sorted(ref) == [1, 2, 3, 4] and ref[4] < ref[1], name
+        for run in (fsdp2, hsdp):
+            if name in run:
+                assert all(abs(run[name]["losses"][s] - ref[s]) < 1e-5 for s in ref), (name, run[name], ref)
+        assert (fsdp2[name]["logits"] - one[name]["logits"]).abs().max() < 1e-4, name
+    for name in RECOMPUTED:
+        assert one[f"{name}-recomputed"]["losses"] == pytest.approx(one[name]["losses"], abs=1e-6), name
+    assert sorted(one["olmo3-recomputed"]["validation"]) == [2, 4]
+    for name, losses in resumed.items():
+        assert sorted(losses) == [3, 4] and all(abs(losses[s] - fsdp2[name]["losses"][s]) < 1e-5 for s in (3, 4))
+    from titanlite.cli.checkpoint import main as checkpoint_command
+
+    step = tmp_path / "fsdp2" / "phi3" / "checkpoint" / "step-4"  # exported later, from its checkpoint
+    assert checkpoint_command(["export", "--checkpoint", str(step), "--output", str(tmp_path / "phi3-hf"),
+                               "--format", "hf"]) == 0  # fmt: skip
+    for name, folder in [(n, tmp_path / "fsdp2" / n / "checkpoint" / "hf-step-4") for n in EXPORTED] + [
+        ("phi3", tmp_path / "phi3-hf")
+    ]:
+        back, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+        with torch.no_grad():
+            assert (back.eval()(input_ids=X).logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name

@@ -1,0 +1,32 @@
+"""The HF export of a saved transformers-backend checkpoint (python -m titanlite.checkpoint export --format hf): the
+model built from its model_args.json, its weights read from the checkpoint in one process, written as transformers
+saves its class."""
+
+from __future__ import annotations
+
+import torch
+
+from titanlite.checkpoint.safe_reading import safe_dcp_load
+from titanlite.models.transformers_backend.args import BackendArgs
+from titanlite.models.transformers_backend.model import BackendModel
+
+
+def backend_from_saved(saved_args: dict) -> BackendModel:
+    """The backend model of a checkpoint's model_args.json, on the CPU (weights unset)."""
+    fields = BackendArgs.__dataclass_fields__
+    args = BackendArgs(**{k: v for k, v in saved_args.items() if k in fields and k != "rope_scaling"})
+    with torch.device("meta"):
+        model = BackendModel(args)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    return model
+
+
+def export_backend(step, prefix: str, out, saved_args: dict, dtype: torch.dtype | None) -> int:
+    """Write step folder `step`'s model (its DCP state under `prefix`) as a HuggingFace folder `out`; the number of
+    tensors in the model's state."""
+    model = backend_from_saved(saved_args)
+    state = model.state_dict()
+    safe_dcp_load({"model": state} if prefix else state, step, no_dist=True)
+    model.save_hf_folder(out, dtype or next(iter(state.values())).dtype)
+    return len(state)

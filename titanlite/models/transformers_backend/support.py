@@ -1,0 +1,61 @@
+"""What the transformers backend does not run yet, refused before launch in one line each that says where it runs
+(the native families) or what to change."""
+
+from __future__ import annotations
+
+from titanlite.models.family import BACKEND
+
+NATIVE = "the native families (llama3, qwen3, qwen2, mistral, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gpt_oss)"
+
+# (degree name on dims, config key, what it is)
+PARALLEL = (
+    ("tp", "parallelism.tensor_parallel_degree", "tensor parallelism"),
+    ("cp", "parallelism.context_parallel_degree", "context parallelism"),
+    ("pp", "parallelism.pipeline_parallel_degree", "pipeline parallelism"),
+    ("ep", "parallelism.expert_parallel_degree", "expert parallelism"),
+)
+
+
+def problem(cfg, dims, args) -> str | None:
+    """Why the transformers backend cannot run this config, or None."""
+    model = f"model.name = {BACKEND!r} ({args.model_type})"
+    for attr, key, what in PARALLEL:
+        degree = getattr(dims, attr, 1)
+        if degree > 1:
+            return (
+                f"{key} = {degree}: {what} is not available for {model}; it is in {NATIVE}; the backend shards with "
+                "FSDP or HSDP (data_parallel_shard_degree, data_parallel_replicate_degree)"
+            )
+    switches = (
+        (cfg.float8.enable, "float8.enable = true"),
+        (cfg.lora.enable, "lora.enable = true"),
+        (cfg.optimizer.name == "muon", "optimizer.name = 'muon'"),
+        (cfg.compile.enable, "compile.enable = true"),
+        (cfg.fault_tolerance.enable, "fault_tolerance.enable = true"),
+    )
+    for on, setting in switches:
+        if on:
+            return f"{setting} is not available for {model} yet; it is in {NATIVE}"
+    if cfg.model.attention == "block_causal" and (kind := _state_carrying_layers(args)):
+        return (
+            f"model.attention = 'block_causal': {args.model_type}'s {kind} layers carry their state from one packed "
+            "document into the next, which transformers' PyTorch path cannot cut at document boundaries; use "
+            "model.attention = 'causal'"
+        )
+    if cfg.model.attention == "block_causal" and args.hf_config.get("index_topk"):
+        return (
+            f"model.attention = 'block_causal': {args.model_type}'s sparse attention indexer chooses its keys across "
+            "the packed documents of a row (index_topk), so a packed row is not each document alone; use "
+            "model.attention = 'causal'"
+        )
+    return None
+
+
+def _state_carrying_layers(args) -> str | None:
+    """The kind of layer of the model that keeps a state along the sequence (linear attention, state space,
+    convolution), or None."""
+    types = set(args.hf_config.get("layer_types") or ())
+    for kind in ("linear_attention", "mamba", "conv", "recurrent"):
+        if any(kind in t for t in types):
+            return kind.replace("_", " ")
+    return None
