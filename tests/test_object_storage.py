@@ -152,10 +152,10 @@ def test_s3_checkpoints_resume_exactly_and_on_another_topology(tmp_path, s3, mon
     for s in (5, 6):
         assert abs(resumed[s] - one["ref"][s]) < 1e-5 and abs(one["ref"][s] - r["ref"][s]) < 1e-5
 
-    # Incomplete and corrupt step folders are skipped with a message each, never resumed from.
+    # An incomplete step folder is removed at start, a corrupt one skipped, with a message each; never resumed from.
     assert one["b_step"] == 2
     logs = "\n".join(one["b_logs"])
-    assert "step-6: it has no commit marker (.committed)" in logs
+    assert "Removing incomplete checkpoint" in logs and "step-6 (a save that did not finish: no .committed)" in logs
     assert "__0_0.distcp has" in logs and "truncated" in logs
     assert one["b_resumed"] == {s: one["ref"][s] for s in (3, 4, 5, 6)}
     assert one["b_after"] == {"step-2": True, "step-4": True, "step-6": True}
@@ -304,3 +304,45 @@ def test_s3_multipart_shards_are_checked_by_the_crc_of_their_bytes(tmp_path, s3,
     assert "Skipping corrupt checkpoint" in logs and "__0_0.distcp does not match its checksum" in logs
     # the corrupt step-2 is set aside (copied within the store), so that this run's saves are never counted after it
     assert r["abandoned"] == ["abandoned-step-2"] and r["steps"] == {"step-1": True}
+
+
+def _lora_on_a_base_in_s3(tmp, base_url):
+    """2 LoRA steps on a HF base in object storage, saved; what the checkpoint records of the base."""
+    argv = ckpt_argv(tmp, "--training.steps", "2", "--model.flavor", "hf", "--checkpoint.initial_load_path", base_url,
+                     "--lora.enable", "true", "--lora.rank", "4")  # fmt: skip
+    make_trainer(argv).train()
+    step = tmp / "checkpoint" / "step-2"
+    return json.loads((step / "lora_base.json").read_text())["path"], (step / "job_config.toml").read_text()
+
+
+def test_inputs_in_object_storage_are_recorded_by_their_url_and_fetched_again_elsewhere(tmp_path, s3, monkeypatch):
+    """Issue 62 item 4: a LoRA checkpoint on a base in s3 records the base's URL (lora_base.json, job_config.toml),
+    not this machine's cache copy; exported on a machine with another cache, the base is fetched there again; an
+    uncommitted step folder in s3 left by a crash is removed at start."""
+    import fsspec
+    from test_model_families import hf_family_model
+
+    from titanlite.cli.checkpoint import main as checkpoint_command
+
+    s3.use(monkeypatch)
+    monkeypatch.setenv("TITANLITE_CACHE", str(tmp_path / "cache-here"))
+    url = _prefix()
+    hf_family_model(tmp_path / "base", "llama3")
+    fs = fsspec.filesystem("s3", use_listings_cache=False)
+    fs.put(f"{tmp_path / 'base'}/", f"{url.removeprefix('s3://')}/base", recursive=True)
+    recorded, job_config = run_distributed(_lora_on_a_base_in_s3, 1, tmp_path / "run", f"{url}/base")[0]
+    assert recorded == f"{url}/base" and f'initial_load_path = "{url}/base"' in job_config
+    assert "cache-here" not in job_config
+    monkeypatch.setenv("TITANLITE_CACHE", str(tmp_path / "cache-elsewhere"))  # another machine
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    assert checkpoint_command(["export", "--checkpoint", str(step), "--output", str(tmp_path / "merged"),
+                               "--format", "hf"]) == 0  # fmt: skip
+    assert (tmp_path / "merged" / "config.json").is_file() and (tmp_path / "cache-elsewhere" / "remote").is_dir()
+
+    from titanlite.checkpoint.catalog import remove_temporaries
+    from titanlite.storage import location
+
+    fs.pipe_file(f"{url.removeprefix('s3://')}/ckpt/step-3/__0_0.distcp", b"half a save")
+    (location(f"{url}/ckpt/step-1") / ".committed").write_text("1\n")
+    remove_temporaries(location(f"{url}/ckpt"))
+    assert _steps(f"{url}/ckpt") == {"step-1": True}

@@ -270,10 +270,27 @@ def set_aside_newer(folder, step: int) -> None:
 
 def remove_temporaries(folder) -> None:
     """Delete saves that never completed (a crash, a kill or a full disk during a save); rank 0, at start. In object
-    storage they are step-N folders without the commit marker: skipped, and replaced when the run saves that step."""
-    if is_remote(folder) or not folder.is_dir():
+    storage they are step-N folders without the commit marker."""
+    if is_remote(folder):
+        _remove_uncommitted(folder)
+        return
+    if not folder.is_dir():
         return
     for p in folder.iterdir():
         if p.name.startswith(TMP_PREFIX):
             logger.warning(f"Removing incomplete checkpoint {p} (a save that did not finish)")
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _remove_uncommitted(folder) -> None:
+    """Object storage: remove the step-N folders without the commit marker (a save that did not finish); one that
+    cannot be removed is left (no resume counts it) with a warning."""
+    try:
+        partial = [p for p in folder.iterdir() if p.name.startswith(STEP_PREFIX) and not (p / COMMITTED).exists()]
+    except FileNotFoundError:
+        return
+    for p in partial:
+        logger.warning(f"Removing incomplete checkpoint {p} (a save that did not finish: no {COMMITTED})")
+        if (error := remove_tree(p)) is not None:
+            logger.warning(f"Could not remove {p} ({type(error).__name__}: {error}); no resume counts it")
+

@@ -15,6 +15,7 @@ from titanlite.checkpoint.consolidated import model_prefix
 from titanlite.checkpoint.hf_io import save_hf_sharded, warn_dropped_routing_bias
 from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.lora_io import saved_adapters, trained_nf4_blocks, write_peft
+from titanlite.checkpoint.remote_inputs import local_copy
 from titanlite.checkpoint.resume import saved_job_config, saved_model_args
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
@@ -23,6 +24,7 @@ from titanlite.models.args import args_from_dict
 from titanlite.models.hf_names import is_routing_bias, routing_bias_shapes
 from titanlite.models.lora import merge_adapters
 from titanlite.models.nf4 import nf4_api, quantized_linears
+from titanlite.storage import is_url
 
 
 @torch.no_grad()
@@ -58,7 +60,8 @@ def lora_base_of(step: Path) -> dict | None:
     saved = read_lora_base(step)
     if saved is None:
         return None
-    base = Path(str(saved.get("path", "")))
+    recorded = str(saved.get("path", ""))
+    base = local_copy(recorded, f"the LoRA base {step}/lora_base.json names") if is_url(recorded) else Path(recorded)
     if not base.exists():
         raise ConfigError(
             f"{step} holds LoRA adapters trained on the base {base}, which is not there any more: put that base "
@@ -66,7 +69,7 @@ def lora_base_of(step: Path) -> dict | None:
             "--format peft"
         )
     check_same_base(saved, fingerprint(base), str(step))
-    return saved
+    return {**saved, "path": str(base)}  # (a base in object storage: this machine's copy of it)
 
 
 def _run_of(step: Path):

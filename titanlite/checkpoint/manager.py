@@ -51,6 +51,7 @@ from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.integrity import seal, write_rank_manifest
 from titanlite.checkpoint.lora_io import base_record, check_lora_resume, load_peft_adapter
 from titanlite.checkpoint.parts import ModelPart, OptimizerPart, SchedulerPart, TrainStatePart
+from titanlite.checkpoint.remote_inputs import as_given, url_of
 from titanlite.checkpoint.resume import (
     check_model_matches,
     check_same_optimizer,
@@ -90,7 +91,9 @@ class CheckpointManager:
     ):
         self.job_cfg, self.cfg = cfg, cfg.checkpoint
         self.data_identity = data_identity  # what the data position counts in (data_identity.py)
-        self.job_config_text = to_toml(cfg)
+        self.job_config_text = to_toml(
+            as_given(cfg)
+        )  # inputs in object storage by their URLs, not this machine's copies
         self.enabled = cfg.checkpoint.enable
         self.folder = checkpoint_folder(cfg)
         self.wanted = wanted_parts(cfg)
@@ -401,7 +404,8 @@ class CheckpointManager:
         if hasattr(self.model, "args"):
             (tmp / "model_args.json").write_text(json.dumps(args_to_dict(self.model.args), indent=2) + "\n")
         if self.lora_base is not None:
-            write_lora_base(tmp, self.lora_base)
+            # a base in object storage by its URL (not this machine's copy): found again on another machine
+            write_lora_base(tmp, {**self.lora_base, "path": url_of(self.lora_base["path"])})
         seal(tmp, self.world, [".metadata", *RUN_FILES, *([LORA_BASE] if self.lora_base else [])])
         (tmp / COMMITTED).write_text(f"{step}\n")  # last: in object storage the save is complete from here on
         if final != tmp and final.exists():  # an earlier save of the same step (a rerun from an older checkpoint)

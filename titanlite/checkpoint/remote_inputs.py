@@ -6,10 +6,13 @@ files: it is copied once per machine into a cache (`$TITANLITE_CACHE/remote`, el
 machine's ranks taking turns on a file lock, and reused while the remote listing (names, sizes, digests) is
 unchanged.
 A LoRA base is always copied: its identity is a digest of its weight files (base_identity.py).
+What a run records of its inputs (job_config.toml, a LoRA checkpoint's lora_base.json) names the URL, never the copy
+(`url_of`, `as_given`): a checkpoint exported or resumed on another machine fetches the input again there.
 """
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -97,3 +100,35 @@ def stage_remote_inputs(cfg: JobConfig) -> None:
             cfg.checkpoint.initial_load_path = str(local_copy(url, key))
     if is_url(cfg.lora.initial_adapter_path):
         cfg.lora.initial_adapter_path = str(local_copy(cfg.lora.initial_adapter_path, "lora.initial_adapter_path"))
+
+
+STAGED_KEYS = (("checkpoint", "initial_load_path"), ("lora", "initial_adapter_path"))
+
+
+def url_of(path) -> str:
+    """The object-storage URL that a copy made by local_copy (or a path inside it) came from; `path` itself when it
+    is not such a copy."""
+    text = str(path)
+    if not text or is_url(text):
+        return text
+    root = (cache_root() / "remote").resolve()
+    try:
+        parts = Path(text).expanduser().resolve().relative_to(root).parts  # (<digest>, "data", ...)
+        record = json.loads((root / parts[0] / "listing.json").read_text())
+    except (ValueError, IndexError, OSError):
+        return text
+    if len(parts) < 2 or parts[1] != "data" or not isinstance(record, dict) or "url" not in record:
+        return text
+    url, inside = str(record["url"]).rstrip("/"), parts[2:]
+    single = list(record.get("files", {})) == [url.rsplit("/", 1)[-1]]  # local_copy gave data/<the file's name>
+    return "/".join([url, *inside[1 if single else 0 :]])
+
+
+def as_given(cfg: JobConfig) -> JobConfig:
+    """A copy of cfg whose staged inputs (stage_remote_inputs) name their object-storage URLs again: what a run
+    writes into its checkpoints."""
+    given = copy.deepcopy(cfg)
+    for section, key in STAGED_KEYS:
+        part = getattr(given, section)
+        setattr(part, key, url_of(getattr(part, key)))
+    return given
