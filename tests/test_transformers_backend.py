@@ -173,13 +173,26 @@ REFUSALS = [
 ]
 
 
-def test_generate_from_a_backend_folder_says_where_to_sample_instead(tmp_path):
-    from titanlite.errors import ConfigError
-    from titanlite.generation_plan import plan_generation
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_SAVE else n for n in ["phi3", "qwen3_5", "olmo3"]]
+)
+def test_greedy_generation_equals_transformers_generate(tmp_path, name):
+    """titanlite's generation loop on a backend model, with the model's own cache (Qwen3.5's: linear-attention
+    states beside the keys and values; OLMo 3's: sliding-window layers), gives transformers' greedy generate; so
+    does `python -m titanlite.generate` on the folder."""
+    from titanlite.cli.generate import run
+    from titanlite.data.tokenizers import ByteTokenizer
+    from titanlite.generation import generate
 
-    folder, _ = hf_folder(tmp_path, "phi3")
-    with pytest.raises(ConfigError, match=r"model_type 'phi3' is built by the transformers backend .* not sample"):
-        plan_generation(str(folder), "debug_model", [])
+    folder, reference = hf_folder(tmp_path, name)
+    ours, prompt = _backend_from(folder), [5, 17, 42, 99, 7, 3, 250]
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert generate(ours, prompt, 12) == expected[0, len(prompt) :].tolist()
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.with_bos(tokenizer.encode("The cat"))
+    expected = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    text = run(["--checkpoint", str(folder), "--prompt", "The cat", "--max-new-tokens", "8", "--temperature", "0"])
+    assert text == tokenizer.decode(expected[0, len(ids) :].tolist())
 
 
 @pytest.mark.parametrize("extra,message", REFUSALS)

@@ -39,6 +39,7 @@ from titanlite.models.hf_config import hf_folder, is_hf_folder, missing_weights_
 from titanlite.models.kv_cache import KVCache
 from titanlite.models.lora import adapter_names
 from titanlite.models.registry import model_args
+from titanlite.models.resolve import resolved_model_args
 
 logger = logging.getLogger("titanlite")
 
@@ -87,7 +88,7 @@ def inference_model(
     """The model of `cfg` on `device`, sharded over `meshes` for inference (parallel/dims.py; plain when None) in
     eval mode; weights empty. checkpoint: the weights it will load, checked to fit
     before any memory is allocated."""
-    args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
+    args = resolved_model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
     model = build_model(cfg, args, meshes, inference=True).model
     if checkpoint is not None:
         check_weights_fit(model, checkpoint)
@@ -101,7 +102,8 @@ def check_weights_fit(model: torch.nn.Module, checkpoint: str | Path):
     still be on the meta device), and the settings the checkpoint was saved with; reads only names and shapes.
     Returns a DCP checkpoint's metadata (None for a HF folder)."""
     if is_hf_folder(checkpoint):
-        check_hf_weights(Path(checkpoint), model.args)
+        if not hasattr(model, "load_hf_folder"):  # (a transformers backend model's loader names what is missing)
+            check_hf_weights(Path(checkpoint), model.args)
         return None
     path = Path(checkpoint)
     try:
@@ -126,7 +128,7 @@ def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
     """Load a HF folder, or the model of a DCP checkpoint, into the (sharded or plain) model, each rank its
     shard; ConfigError naming the first tensor that does not fit, and the settings the checkpoint was saved with."""
     if is_hf_folder(checkpoint):
-        load_hf_weights(model, checkpoint)
+        model.load_hf_folder(checkpoint) if hasattr(model, "load_hf_folder") else load_hf_weights(model, checkpoint)
         return
     path = Path(checkpoint)
     metadata = check_weights_fit(model, path)
@@ -322,8 +324,13 @@ def generate_timed(
         return _generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_ids, kv_cache)
 
 
+def _cache(model, max_len: int):
+    """An empty KV cache for the model: titanlite's, or a transformers backend model's own."""
+    return model.new_cache(max_len) if hasattr(model, "new_cache") else KVCache.for_model(model, max_len)
+
+
 def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_ids, kv_cache):
-    device = model.rope.device
+    device = model.device if hasattr(model, "new_cache") else model.rope.device
     max_len = model.args.max_seq_len
     generator = torch.Generator(device=device).manual_seed(seed)
     broadcast = dist.is_initialized() and dist.get_world_size() > 1
@@ -331,7 +338,7 @@ def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop_
     if kv_cache and len(tokens) > max_len:
         _log(f"The prompt's {len(tokens)} tokens exceed max_seq_len = {max_len}: keeping its last {max_len}")
         tokens = tokens[-max_len:]
-    cache = KVCache.for_model(model, min(len(tokens) + max_new_tokens, max_len)) if kv_cache else None
+    cache = _cache(model, min(len(tokens) + max_new_tokens, max_len)) if kv_cache else None
     new: list[int] = []
     start = time.perf_counter()
     prefill_s = 0.0

@@ -20,8 +20,9 @@ from titanlite.errors import ConfigError
 from titanlite.generation import inference_model, load_adapters, load_weights, resolve_checkpoint, settle_lora
 from titanlite.models.args import ModelArgs
 from titanlite.models.hf_config import hf_folder, is_hf_folder
-from titanlite.models.registry import BACKEND, family_of_folder, model_label, native_family
+from titanlite.models.registry import BACKEND, family_of_folder, native_family
 from titanlite.models.resolve import resolved_model_args
+from titanlite.models.transformers_backend.support import problem as backend_problem
 from titanlite.parallel.dims import ParallelDims
 from titanlite.plan import check_parallelism
 from titanlite.runtime.distributed import init_distributed, pick_device, world_size_from_env
@@ -69,14 +70,8 @@ def plan_generation(checkpoint_arg: str, config: str, overrides: list[str]) -> G
     limit = resolved_model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder).position_limit()
     cfg.training.seq_len = max(cfg.training.seq_len, limit)
     args = resolved_model_args(cfg.model, tokenizer.vocab_size, cfg.training.seq_len, folder)
-    if args.family == BACKEND:
-        raise ConfigError(
-            f"python -m titanlite.generate: {folder}/config.json's model_type "
-            f"{args.model_type.removesuffix('_text')!r} is built by the transformers backend "
-            f"({model_label(cfg.model, args)}), which titanlite trains but does not sample from yet (its KV cache is "
-            "titanlite's own); load the folder, or the run's HF export (checkpoint.last_save_in_hf), with "
-            "transformers and call its generate()"
-        )
+    if args.family == BACKEND and dims is not None and (problem := backend_problem(cfg, dims, args, inference=True)):
+        raise ConfigError(problem)
     if dims is not None:
         check_parallelism(cfg, dims, args, None, inference=True)
     return GenerationPlan(cfg, dims, checkpoint, tokenizer, args)

@@ -293,4 +293,3 @@ def _remove_uncommitted(folder) -> None:
         logger.warning(f"Removing incomplete checkpoint {p} (a save that did not finish: no {COMMITTED})")
         if (error := remove_tree(p)) is not None:
             logger.warning(f"Could not remove {p} ({type(error).__name__}: {error}); no resume counts it")
-

@@ -28,6 +28,16 @@ def build_text_config(hf_config: dict):
     return text
 
 
+class BackendCache:
+    """transformers' own cache for a model's layers (DynamicCache: full and sliding attention, linear-attention and
+    convolution states), with the positions it holds as titanlite's generation loop reads them."""
+
+    def __init__(self, config, max_len: int):
+        from transformers import DynamicCache
+
+        self.hf, self.max_len, self.offset = DynamicCache(config=config), max_len, 0
+
+
 class BackendModel(nn.Module):
     """A transformers causal LM with titanlite's model interface: shard_groups, init_weights(seed), layers, a forward
     that takes per-document positions and labels."""
@@ -79,12 +89,24 @@ class BackendModel(nn.Module):
 
     def forward(self, tokens, positions=None, cache=None, labels=None, last_only: bool = False) -> torch.Tensor:
         """Logits, or given labels the summed cross-entropy; positions: each token's position in its document
-        (attention.block_causal: documents packed in a row see only themselves)."""
+        (attention.block_causal: documents packed in a row see only themselves); cache: a BackendCache (new_cache)
+        that the tokens extend."""
         if cache is not None:
-            raise ValueError("the transformers backend generates without titanlite's KV cache")
-        position_ids = positions if self.args.attention == "block_causal" else None
-        h = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False).last_hidden_state
+            h = self.model(input_ids=tokens, past_key_values=cache.hf, use_cache=True).last_hidden_state
+            cache.offset += tokens.shape[1]
+        else:
+            position_ids = positions if self.args.attention == "block_causal" else None
+            h = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False).last_hidden_state
         return self.lm_head(h[:, -1:] if last_only else h, labels)
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model computes on."""
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, max_len: int) -> BackendCache:
+        """An empty cache of the model's own kinds (attention, sliding-window, linear-attention states)."""
+        return BackendCache(self.hf.config, max_len)
 
     def init_weights(self, seed: int) -> None:
         """Every weight drawn by the model's own initialisation, seeded by (seed, module name): the same whatever the

@@ -16,8 +16,8 @@ PARALLEL = (
 )
 
 
-def problem(cfg, dims, args) -> str | None:
-    """Why the transformers backend cannot run this config, or None."""
+def problem(cfg, dims, args, inference: bool = False) -> str | None:
+    """Why the transformers backend cannot run this config (inference: sample from it), or None."""
     model = f"model.name = {BACKEND!r} ({args.model_type})"
     for attr, key, what in PARALLEL:
         degree = getattr(dims, attr, 1)
@@ -26,6 +26,8 @@ def problem(cfg, dims, args) -> str | None:
                 f"{key} = {degree}: {what} is not available for {model}; it is in {NATIVE}; the backend shards with "
                 "FSDP or HSDP (data_parallel_shard_degree, data_parallel_replicate_degree)"
             )
+    if inference:
+        return None
     switches = (
         (cfg.float8.enable, "float8.enable = true"),
         (cfg.lora.enable, "lora.enable = true"),
