@@ -195,6 +195,48 @@ def test_greedy_generation_equals_transformers_generate(tmp_path, name):
     assert text == tokenizer.decode(expected[0, len(ids) :].tolist())
 
 
+OTHER = {  # tiny configs of models the backend refuses, or runs with a change
+    "phi": ("phi", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
+    "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4)),
+    "jamba": ("jamba", {**COMMON, "num_experts": 2, "num_experts_per_tok": 1, "attn_layer_period": 2,
+                        "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1}),
+    "seed_oss": ("seed_oss", {**COMMON, "attention_dropout": 0.1, "residual_dropout": 0.1}),
+}  # fmt: skip
+
+
+def test_what_would_train_silently_wrong_is_refused_or_said(tmp_path, caplog):
+    """An output projection with a bias (Phi-2: the chunked loss adds none), a class without the layout the backend
+    shards by (GPT-2), packing across Mamba layers (Jamba), quantized weights, pickled weights beside a config:
+    refused in one line each; dropout is set to 0 with a line (random draws would depend on the ranks)."""
+    from titanlite.errors import ConfigError
+
+    caplog.set_level("INFO", logger="titanlite")
+    folders = {}
+    for name, (model_type, kw) in OTHER.items():
+        folders[name] = tmp_path / name
+        transformers.AutoConfig.for_model(model_type, **kw).save_pretrained(folders[name])
+    backend = ["--model.name", "transformers"]
+    for name, extra, message in (
+        ("phi", [], r"PhiForCausalLM's output projection has a bias, which titanlite's chunked loss does not add"),
+        ("gpt2", [], r"GPT2LMHeadModel does not have the layout the transformers backend shards by"),
+        ("jamba", ["--model.attention", "block_causal"], r"jamba's linear attention layers carry their state"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            _shape([*backend, *extra], root=tmp_path, folder=folders[name])
+    args = _shape(backend, root=tmp_path, folder=folders["seed_oss"]).model_args
+    assert args.hf_config["attention_dropout"] == args.hf_config["residual_dropout"] == 0.0
+    assert "attention_dropout = 0.1, residual_dropout = 0.1 set to 0" in caplog.text
+    quantized = json.loads((folders["seed_oss"] / "config.json").read_text())
+    (folders["seed_oss"] / "config.json").write_text(
+        json.dumps({**quantized, "quantization_config": {"quant_method": "fp8"}})
+    )
+    with pytest.raises(ConfigError, match=r"quantization_config \(quant_method 'fp8'\): its weights are stored"):
+        _shape(backend, root=tmp_path, folder=folders["seed_oss"])
+    (folders["phi"] / "pytorch_model.bin").write_bytes(b"a pickle")
+    with pytest.raises(ConfigError, match=r"no \*.safetensors weights .* pickles"):
+        _shape(backend, root=tmp_path, folder=folders["phi"])
+
+
 @pytest.mark.parametrize("extra,message", REFUSALS)
 def test_what_the_backend_does_not_run_is_refused_in_one_line(tmp_path, extra, message):
     from titanlite.errors import ConfigError
@@ -299,7 +341,7 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
     fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", TRAINED)[0]
     hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", ["gemma3", "deepseek_v32", "olmo3_config"], 2)[0]
-    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5"])[0]
+    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32"])[0]
     for name in TRAINED:
         ref = one[name]["losses"]
         assert sorted(ref) == [1, 2, 3, 4] and ref[4] < ref[1], name

@@ -25,7 +25,7 @@ from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import dtype_bytes
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
-from titanlite.models.hf_config import hf_folder, missing_weights_note
+from titanlite.models.hf_config import hf_folder, missing_weights_note, pickled
 from titanlite.models.lora import apply_lora, lora_problem
 from titanlite.models.nf4 import qlora_problem
 from titanlite.models.registry import BACKEND, model_class
@@ -164,7 +164,7 @@ def validate_for_world(cfg: JobConfig, world_size: int, device_type: str | None 
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     folder = hf_folder(cfg.checkpoint.initial_load_path)
     start = Path(cfg.checkpoint.initial_load_path).expanduser()
-    if folder is None and cfg.model.name == BACKEND and (start / "config.json").is_file():
+    if folder is None and cfg.model.name == BACKEND and (start / "config.json").is_file() and not pickled(start):
         folder = start  # the transformers backend from a config alone: the weights are drawn from training.seed
     if folder is None and cfg.model.flavor == "hf" and (start / "config.json").is_file():
         raise ConfigError(f"checkpoint.initial_load_path = {str(start)!r} {missing_weights_note(start)}")

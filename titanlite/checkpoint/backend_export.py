@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from titanlite.checkpoint.hf_io import copy_tokenizer_files
 from titanlite.checkpoint.safe_reading import safe_dcp_load
 from titanlite.models.transformers_backend.args import BackendArgs
 from titanlite.models.transformers_backend.model import BackendModel
@@ -22,11 +23,13 @@ def backend_from_saved(saved_args: dict) -> BackendModel:
     return model
 
 
-def export_backend(step, prefix: str, out, saved_args: dict, dtype: torch.dtype | None) -> int:
-    """Write step folder `step`'s model (its DCP state under `prefix`) as a HuggingFace folder `out`; the number of
-    tensors in the model's state."""
+def export_backend(step, prefix: str, out, saved_args: dict, dtype: torch.dtype | None, tokenizer,
+                   max_file_bytes: int) -> int:  # fmt: skip
+    """Write step folder `step`'s model (its DCP state under `prefix`) as a HuggingFace folder `out`, with the run's
+    tokenizer files; the number of tensors in the model's state."""
     model = backend_from_saved(saved_args)
     state = model.state_dict()
     safe_dcp_load({"model": state} if prefix else state, step, no_dist=True)
-    model.save_hf_folder(out, dtype or next(iter(state.values())).dtype)
+    model.save_hf_folder(out, dtype or next(iter(state.values())).dtype, max_shard_size=max_file_bytes)
+    copy_tokenizer_files(tokenizer, out)
     return len(state)

@@ -210,11 +210,16 @@ def write_metadata(out: pathlib.Path, args: ModelArgs, dtype: str, tokenizer) ->
     config = config_from_args(args, FAMILIES[args.family].hf, dtype, bos, eos_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(bos, eos_ids), indent=2) + "\n")
+    copy_tokenizer_files(tokenizer, out)
+
+
+def copy_tokenizer_files(tokenizer, out: pathlib.Path) -> None:
+    """A HF tokenizer's files (tokenizer.json, its config, special tokens) into the folder `out`."""
     tok_path = getattr(tokenizer, "path", None)
     if tok_path is not None:
         for name in TOKENIZER_FILES:
             if (pathlib.Path(tok_path).parent / name).is_file():
-                shutil.copyfile(pathlib.Path(tok_path).parent / name, out / name)
+                shutil.copyfile(pathlib.Path(tok_path).parent / name, pathlib.Path(out) / name)
 
 
 def _write_index(out: pathlib.Path, mapping: dict[str, int], state: dict[str, torch.Tensor]) -> None:

@@ -82,10 +82,11 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
             f"HF export exists); export --format consolidated, or save it again with this version"
         )
     if saved_args.get("family") == BACKEND:  # transformers' own class writes its folder
-        cast = TORCH_DTYPES[dtype] if dtype else None
+        tokenizer, cast = build_tokenizer(cfg.model.tokenizer_path), TORCH_DTYPES[dtype] if dtype else None
         return write_atomically(
-            output, True, lambda tmp: export_backend(step, model_prefix(metadata), tmp, saved_args, cast)
-        )
+            output, True, lambda tmp: export_backend(step, model_prefix(metadata), tmp, saved_args, cast, tokenizer,
+                                                     max_file_bytes)
+        )  # fmt: skip
     try:
         args = args_from_dict(saved_args)
         hf_shapes(args)  # every field a shape needs is there and of the right type

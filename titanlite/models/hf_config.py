@@ -53,6 +53,11 @@ def missing_weights_note(folder: pathlib.Path) -> str:
     return note
 
 
+def pickled(folder: pathlib.Path) -> bool:
+    """Whether a folder holds pickled weights (*.bin, *.pt): a model folder titanlite does not read."""
+    return any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
+
+
 def hf_folder(initial_load_path: str) -> pathlib.Path | None:
     """checkpoint.initial_load_path when it names a HuggingFace model folder (one with *.safetensors)."""
     path = pathlib.Path(initial_load_path).expanduser() if initial_load_path else None

@@ -22,8 +22,10 @@ def backend_model_args(model_cfg, tokenizer_vocab_size: int, seq_len: int, hf_fo
     """The shape of a transformers backend model, from its folder's config.json."""
     if hf_folder is None:
         raise ConfigError(
-            f"model.name = {BACKEND!r} builds the model of a HuggingFace folder: set checkpoint.initial_load_path to "
-            "it (a folder with only a config.json: the weights are drawn from training.seed)"
+            f"model.name = {BACKEND!r} builds the model of a HuggingFace folder on this machine (config.json and "
+            "*.safetensors, or a config.json alone: the weights are then drawn from training.seed), which "
+            "checkpoint.initial_load_path must name (a titanlite DCP checkpoint is not one; a folder in object "
+            "storage is copied here at launch, not in a dry run)"
         )
     for key, value, unset in (("vocab_size", model_cfg.vocab_size, 0), ("rope_scaling", model_cfg.rope_scaling, "")):
         if value != unset:

@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from titanlite.errors import ConfigError
 from titanlite.models.args import ModelArgs
@@ -14,7 +19,16 @@ from titanlite.models.hf_config import CONFIG, read_config
 logger = logging.getLogger("titanlite")
 
 # config.json keys that change the logits after the output projection: titanlite's chunked loss does not apply them
-LOGIT_CHANGES = ("final_logit_softcapping", "logits_scaling", "logit_scale", "output_multiplier_scale")
+LOGIT_CHANGES = (
+    "final_logit_softcapping", "logits_scaling", "logit_scale", "output_multiplier_scale", "lm_head_multiplier",
+    "logits_soft_cap", "logits_mup_width_multiplier", "unpadded_vocab_size",
+)  # fmt: skip
+# config keys of randomness in training (dropout, router noise): set to 0, else the losses would depend on the ranks
+NOISE = ("dropout", "pdrop", "jitter", "noise")
+# module class names of layers that keep a state along the sequence (case-sensitive: "SeedOssModel" is not an SSM)
+STATE_LAYERS = re.compile(
+    r"Mamba|DeltaNet|LinearAttention|RgLru|RGLRU|Recurrent(Block|Layer)|SSM|ShortConv|Lightning|Rwkv|RWKV|LSTM|Retention"
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +42,9 @@ class BackendArgs(ModelArgs):
     attention_layers: int = 0  # layers with softmax attention (a linear-attention or convolution layer has no keys)
     hf_experts: int = 0  # routed experts per MoE layer (for the summary)
     hf_top_k: int = 0
+    state_layers: str = ""  # the class of its layers that keep a state along the sequence (Mamba, Gated DeltaNet)
+    hf_weights: bool = False  # the folder holds every weight (no initialisation from the seed is needed)
+    frozen: tuple[str, ...] = ()  # name parts of parameters no loss reaches (a sparse-attention indexer): not trained
 
     @property
     def model_type(self) -> str:
@@ -68,8 +85,8 @@ def text_config(config: dict, source: str):
             f"{source}/{CONFIG}: model_type {model_type!r} is not one transformers {transformers.__version__} knows; "
             "upgrade transformers or use a folder of a model it implements"
         )
-    try:
-        cfg = transformers.AutoConfig.for_model(**config)
+    try:  # read as transformers reads a folder (its JSON encodings of infinities, say)
+        cfg = transformers.AutoConfig.from_pretrained(source, trust_remote_code=False)
     except Exception as e:  # transformers' own validation: its message, one line
         raise ConfigError(f"{source}/{CONFIG}: transformers cannot read it: {' '.join(str(e).split())[:300]}") from None
     text = cfg.get_text_config(decoder=True)
@@ -90,13 +107,21 @@ def causal_lm_class(text, source: str):
 
 
 def _refuse(config: dict, text, source: str) -> None:
-    if config.get("auto_map") or text.to_dict().get("auto_map"):
+    own = text.to_dict() if text is not None else {}
+    if config.get("auto_map") or own.get("auto_map"):
         raise ConfigError(
             f"{source}/{CONFIG} has auto_map: its model needs code from the folder (trust_remote_code), which "
             "titanlite never runs; use a model that transformers itself implements"
         )
+    if config.get("quantization_config") or own.get("quantization_config"):
+        method = (config.get("quantization_config") or {}).get("quant_method", "?")
+        raise ConfigError(
+            f"{source}/{CONFIG} has quantization_config (quant_method {method!r}): its weights are stored quantized, "
+            "which the transformers backend does not dequantize; use the model's bf16 release (or dequantize it "
+            "with transformers first)"
+        )
     for key in LOGIT_CHANGES:
-        value = getattr(text, key, None)
+        value = own.get(key, getattr(text, key, None))
         if value not in (None, 0, 1, 1.0):
             raise ConfigError(
                 f"{source}/{CONFIG}: {key} = {value} changes the logits after the output projection, which "
@@ -109,16 +134,22 @@ def backend_args(config_folder, vocab_size: int, seq_len: int, attention: str, t
     titanlite needs."""
     source = str(config_folder)
     config = read_config(config_folder)
+    if config.get("auto_map"):
+        _refuse(config, None, source)
     text = text_config(config, source)
     _refuse(config, text, source)
     cls = causal_lm_class(text, source)
+    _quiet(text, source)
     hf = text.to_dict()
     if tie is not None and tie != bool(getattr(text, "tie_word_embeddings", False)):
         raise ConfigError(
             f"model.tie_embeddings = {str(tie).lower()}: the transformers backend takes tie_word_embeddings from "
             f"{source}/{CONFIG}; leave model.tie_embeddings unset"
         )
-    counts, experts, top_k = _counts(cls, text)
+    counts, experts, top_k, model = _counts(cls, text)
+    _check_layout(cls, model, source)
+    frozen = (".indexer.",) if getattr(text, "index_topk", None) else ()
+    _say_what_differs(text, source, experts, frozen)
     n_layers = text.num_hidden_layers
     types = list(getattr(text, "layer_types", None) or ["full_attention"] * n_layers)
     heads = text.num_attention_heads
@@ -142,13 +173,15 @@ def backend_args(config_folder, vocab_size: int, seq_len: int, attention: str, t
         attention_layers=sum(1 for t in types if t != "linear_attention" and "attention" in t),
         hf_experts=experts,
         hf_top_k=top_k,
+        state_layers=_state_layers(model, types),
+        hf_weights=any(Path(config_folder).expanduser().glob("*.safetensors")),
+        frozen=frozen,
     )
 
 
-def _counts(cls, text) -> tuple[dict, int, int]:
-    """Parameter counts and shapes of the model built on the meta device, and its routed experts and top-k."""
-    import torch
-
+def _counts(cls, text) -> tuple[dict, int, int, object]:
+    """Parameter counts and shapes of the model built on the meta device, its routed experts and top-k, and the
+    model."""
     with torch.device("meta"):
         model = cls._from_config(text)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -167,4 +200,67 @@ def _counts(cls, text) -> tuple[dict, int, int]:
         "active_non_embedding": total - embed - idle,
         "shapes": shapes,
     }
-    return counts, experts, top_k
+    return counts, experts, top_k, model
+
+
+def _quiet(text, source: str) -> None:
+    """Dropout and router noise off, with one line: random draws in training would make the losses depend on the
+    number of ranks (every rank draws the same numbers) and a resume on another topology inexact."""
+    noisy = {}
+    for key, value in text.to_dict().items():
+        if any(n in key for n in NOISE) and isinstance(value, float) and value > 0:
+            setattr(text, key, 0.0)
+            noisy[key] = value
+    if noisy and os.environ.get("RANK", "0") == "0":
+        set_ = ", ".join(f"{k} = {v:g}" for k, v in noisy.items())
+        logger.warning(f"{source}/{CONFIG}: {set_} set to 0 (titanlite trains without dropout or router noise)")
+
+
+def _say_what_differs(text, source: str, experts: int, frozen: tuple[str, ...]) -> None:
+    """One line each (rank 0) for what the backend trains unlike transformers' own training of the model."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if experts:
+        logger.warning(
+            f"{source}: {text.model_type}'s experts train without load balancing: titanlite's [moe] settings do not "
+            "reach transformers' MoE blocks, and its router's auxiliary loss is not added"
+        )
+    if frozen:
+        logger.warning(
+            f"{source}: {text.model_type}'s sparse-attention indexer ({frozen[0].strip('.')}) is not trained: no loss "
+            "of a causal LM reaches it (it chooses keys); it keeps the folder's weights"
+        )
+
+
+def _check_layout(cls, model, source: str) -> None:
+    """ConfigError unless the class has the layout the backend shards by (model.embed_tokens, model.layers, lm_head)
+    and runs sdpa attention."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not (isinstance(layers, torch.nn.ModuleList) and hasattr(base, "embed_tokens") and hasattr(model, "lm_head")):
+        raise ConfigError(
+            f"{source}/{CONFIG}: {cls.__name__} does not have the layout the transformers backend shards by "
+            "(model.embed_tokens, model.layers, lm_head), as older architectures (GPT-2, GPT-NeoX, OPT, Falcon, "
+            "Mamba) do not; it is not supported yet"
+        )
+    if not getattr(cls, "_supports_sdpa", False):
+        raise ConfigError(
+            f"{source}/{CONFIG}: {cls.__name__} has no sdpa attention in transformers, which the backend runs (packed "
+            "documents are masked through it); it is not supported yet"
+        )
+    if getattr(model.lm_head, "bias", None) is not None:
+        raise ConfigError(
+            f"{source}/{CONFIG}: {cls.__name__}'s output projection has a bias, which titanlite's chunked loss does "
+            "not add; it is not supported by the transformers backend yet"
+        )
+
+
+def _state_layers(model, types) -> str:
+    """The class name of the model's layers that keep a state along the sequence, or ''."""
+    if any("linear_attention" in t or "mamba" in t or "conv" in t for t in types):
+        kind = next(t for t in types if "linear_attention" in t or "mamba" in t or "conv" in t)
+        return kind.replace("_", " ")
+    for m in model.modules():
+        if STATE_LAYERS.search(type(m).__name__):
+            return type(m).__name__
+    return ""

@@ -58,6 +58,9 @@ class BackendModel(nn.Module):
         for name, child in hf.named_children():
             self.add_module(name, child)
         object.__setattr__(self, "hf", hf)  # not a submodule: its children are ours
+        for name, p in self.named_parameters():  # what no loss reaches (a sparse-attention indexer) is not trained
+            if any(part in name for part in args.frozen):
+                p.requires_grad_(False)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -110,8 +113,10 @@ class BackendModel(nn.Module):
 
     def init_weights(self, seed: int) -> None:
         """Every weight drawn by the model's own initialisation, seeded by (seed, module name): the same whatever the
-        sharding; then the buffers."""
-        weights.init_by_name(self.hf, seed)
+        sharding; then the buffers. A model whose folder holds every weight is not drawn (they are read next, or a
+        checkpoint's): drawing holds a whole decoder layer on every rank."""
+        if not self.args.hf_weights:
+            weights.init_by_name(self.hf, seed)
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -123,6 +128,6 @@ class BackendModel(nn.Module):
         folder with a config.json only leaves the weights drawn from the seed."""
         weights.load_folder(self.hf, folder)
 
-    def save_hf_folder(self, out, dtype: torch.dtype, max_shard_size: str = "5GB") -> None:
+    def save_hf_folder(self, out, dtype: torch.dtype, max_shard_size: str | int = "5GB") -> None:
         """Write the model as transformers saves it (call on every rank; rank 0 writes)."""
         weights.save_folder(self, out, dtype, max_shard_size)

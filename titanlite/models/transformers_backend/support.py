@@ -38,7 +38,7 @@ def problem(cfg, dims, args, inference: bool = False) -> str | None:
     for on, setting in switches:
         if on:
             return f"{setting} is not available for {model} yet; it is in {NATIVE}"
-    if cfg.model.attention == "block_causal" and (kind := _state_carrying_layers(args)):
+    if cfg.model.attention == "block_causal" and (kind := args.state_layers):
         return (
             f"model.attention = 'block_causal': {args.model_type}'s {kind} layers carry their state from one packed "
             "document into the next, which transformers' PyTorch path cannot cut at document boundaries; use "
@@ -50,14 +50,4 @@ def problem(cfg, dims, args, inference: bool = False) -> str | None:
             "the packed documents of a row (index_topk), so a packed row is not each document alone; use "
             "model.attention = 'causal'"
         )
-    return None
-
-
-def _state_carrying_layers(args) -> str | None:
-    """The kind of layer of the model that keeps a state along the sequence (linear attention, state space,
-    convolution), or None."""
-    types = set(args.hf_config.get("layer_types") or ())
-    for kind in ("linear_attention", "mamba", "conv", "recurrent"):
-        if any(kind in t for t in types):
-            return kind.replace("_", " ")
     return None

@@ -47,7 +47,11 @@ def init_by_name(hf: nn.Module, seed: int) -> None:
         untouched += _init_unit(hf, lambda n, u=unit: _in(n, [u]), seed)
     untouched += _init_unit(hf, lambda n: not _in(n, layers), seed)
     if untouched:
-        raise ValueError(f"{type(hf).__name__}._init_weights left {', '.join(untouched[:5])} uninitialised")
+        raise ConfigError(
+            f"{type(hf).__name__}._init_weights leaves {', '.join(untouched[:5])} unset (set in its constructor): the "
+            "transformers backend cannot draw this model's weights from the seed yet; start from a folder with its "
+            "weights"
+        )
 
 
 def _init_unit(hf: nn.Module, inside, seed: int) -> list[str]:
@@ -138,13 +142,14 @@ def load_folder(hf: nn.Module, folder) -> None:
         raise ConfigError(f"checkpoint.initial_load_path = {str(folder)!r}: weights of other shapes: {mismatched[:3]}")
     if info.unexpected_keys and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(
-            f"{folder}: {len(info.unexpected_keys)} tensors that the text model does not hold are not trained "
-            f"(e.g. {sorted(info.unexpected_keys)[0]}: a vision tower or multi-token-prediction layers)"
+            f"{folder}: {len(info.unexpected_keys)} tensors that the text model does not hold are left out (e.g. "
+            f"{sorted(info.unexpected_keys)[0]}; a vision tower or multi-token-prediction layers): not trained, not "
+            "exported"
         )
     init_buffers(hf)
 
 
-def save_folder(model: nn.Module, out, dtype: torch.dtype, max_shard_size: str = "5GB") -> None:
+def save_folder(model: nn.Module, out, dtype: torch.dtype, max_shard_size: str | int = "5GB") -> None:
     """Write `model` (a BackendModel, sharded or not) as transformers saves its class: its names, config.json and
     sharded safetensors with an index. Every rank gathers the full weights to the CPU; rank 0 writes."""
     if dist.is_initialized():
@@ -153,9 +158,11 @@ def save_folder(model: nn.Module, out, dtype: torch.dtype, max_shard_size: str =
             return
     else:  # (an export of a saved checkpoint, in one process)
         state = model.state_dict()
-    state = {k: v.to(dtype) for k, v in state.items()}
-    model.hf.config.use_cache = True  # as transformers' own folders say (titanlite trains without one)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    state = {k: v.to(dtype) if k in params and v.is_floating_point() else v for k, v in state.items()}  # buffers kept
+    config, before = model.hf.config, (model.hf.config.use_cache, getattr(model.hf.config, "dtype", None))
+    config.use_cache, config.dtype = True, dtype  # as transformers' own folders say (titanlite trains without one)
     try:
         model.hf.save_pretrained(str(out), state_dict=state, max_shard_size=max_shard_size)
     finally:
-        model.hf.config.use_cache = False
+        config.use_cache, config.dtype = before
