@@ -313,6 +313,8 @@ def _train_each(root, run: str, names, replicate: int = 1):
             extra += ["--checkpoint.last_save_in_hf", "true"]
         if name.endswith("_config"):
             extra += ["--model.name", "transformers"]
+        if name == "phi3":  # its FSDP(2) checkpoints are saved asynchronously (and resumed at one process)
+            extra += ["--checkpoint.async_mode", "async"]
         t = make_trainer(_argv(root, name, run, *extra))
         losses = t.train()
         with torch.no_grad():
