@@ -346,3 +346,24 @@ def test_inputs_in_object_storage_are_recorded_by_their_url_and_fetched_again_el
     (location(f"{url}/ckpt/step-1") / ".committed").write_text("1\n")
     remove_temporaries(location(f"{url}/ckpt"))
     assert _steps(f"{url}/ckpt") == {"step-1": True}
+
+
+def _backend_in_s3(tmp, folder, url):
+    """A transformers-backend model (Phi-3) saving into object storage: 4 steps, then a resume from step 2."""
+    base = ckpt_argv(tmp, "--training.steps", "4", "--training.local_batch_size", "4", "--checkpoint.interval", "2",
+                     "--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder),
+                     "--checkpoint.folder", url)  # fmt: skip
+    ref = make_trainer(base).train()
+    t = make_trainer(base + ["--checkpoint.load_step", "2"])
+    return ref, t.step, t.train()
+
+
+def test_a_transformers_backend_model_checkpoints_in_object_storage_and_resumes_exactly(tmp_path, s3, monkeypatch):
+    from test_transformers_backend import hf_folder
+
+    s3.use(monkeypatch)
+    url = _prefix()
+    folder, _ = hf_folder(tmp_path, "phi3")
+    ref, step, resumed = run_distributed(_backend_in_s3, 1, tmp_path / "run", folder, f"{url}/backend")[0]
+    assert step == 2 and resumed == {s: ref[s] for s in (3, 4)}  # bit-identical
+    assert _steps(f"{url}/backend") == {"step-2": True, "step-4": True}
