@@ -129,7 +129,10 @@ def model_label(model_cfg, args) -> str:
 
 def native_family(folder) -> bool:
     """Whether a HuggingFace folder's config.json is of a model_type one of titanlite's families implements."""
-    model_type, _ = architecture_of(read_config(folder), str(folder))
+    return _is_native(architecture_of(read_config(folder), str(folder))[0])
+
+
+def _is_native(model_type: str) -> bool:
     return any(model_type in (f.hf.model_type, *f.hf.model_type_aliases) for f in FAMILIES.values())
 
 
@@ -138,9 +141,11 @@ def goes_to_backend(model_cfg, hf_folder) -> bool:
     whose model_type no family implements (logged)."""
     if model_cfg.name == BACKEND:
         return True
-    if hf_folder is None or native_family(hf_folder):
+    if hf_folder is None:
         return False
-    model_type, _ = architecture_of(read_config(hf_folder), str(hf_folder))
+    model_type, _ = architecture_of(read_config(hf_folder), str(hf_folder))  # (config.json read once)
+    if _is_native(model_type):
+        return False
     if os.environ.get("RANK", "0") == "0":
         logger.info(
             f"{hf_folder}/config.json: model_type {model_type!r} is not one of titanlite's families: built as "

@@ -257,9 +257,9 @@ def _check_layout(cls, model, source: str) -> None:
 
 def _state_layers(model, types) -> str:
     """The class name of the model's layers that keep a state along the sequence, or ''."""
-    if any("linear_attention" in t or "mamba" in t or "conv" in t for t in types):
-        kind = next(t for t in types if "linear_attention" in t or "mamba" in t or "conv" in t)
-        return kind.replace("_", " ")
+    for t in types:
+        if "linear_attention" in t or "mamba" in t or "conv" in t:
+            return t.replace("_", " ")
     for m in model.modules():
         if STATE_LAYERS.search(type(m).__name__):
             return type(m).__name__
