@@ -60,6 +60,10 @@ def step_folders(folder: Path) -> dict[int, Path]:
     out = {}
     try:
         listed = list(folder.iterdir()) if folder.is_dir() else []
+    except (FileNotFoundError, NotADirectoryError):
+        if not is_remote(folder):
+            raise
+        listed = []  # a prefix whose last object went between the two calls (rank 0's pre-launch probe): empty
     except Exception as e:
         if not is_remote(folder):
             raise
