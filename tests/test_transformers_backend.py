@@ -166,7 +166,16 @@ def test_a_folder_no_family_implements_goes_to_the_backend_and_a_config_alone_is
 REFUSALS = [
     (["--parallelism.tensor_parallel_degree", "2"], r"tensor_parallel_degree = 2: tensor parallelism is not "),
     (["--parallelism.context_parallel_degree", "2"], r"context parallelism is not available .* native families"),
-    (["--lora.enable", "true"], r"lora.enable = true is not available for model.name = 'transformers' \(phi3\)"),
+    (
+        ["--lora.enable", "true", "--lora.base_dtype", "nf4"],
+        r"lora.base_dtype = 'nf4' \(QLoRA; 'bfloat16' halves the "
+        r"base\) is not available for model.name = 'transformers' \(phi3\)",
+    ),
+    (
+        ["--lora.enable", "true", "--lora.targets", "qkv_proj,q_proj"],
+        r"q_proj: phi3's decoder layers have no nn.Linear "
+        r"of that name .* valid targets for it: o_proj, qkv_proj, gate_up_proj, down_proj",
+    ),
     (["--float8.enable", "true"], r"float8.enable = true is not available"),
     (["--parallelism.expert_parallel_degree", "2"], r"expert_parallel_degree = 2: expert parallelism is not "),
     (["--model.vocab_size", "512"], r"model.vocab_size = 512: the transformers backend takes it from .*config.json"),
@@ -237,6 +246,24 @@ def test_what_would_train_silently_wrong_is_refused_or_said(tmp_path, caplog):
         _shape(backend, root=tmp_path, folder=folders["phi"])
 
 
+def test_lora_on_a_backend_model_adapts_its_linears_by_their_own_names(tmp_path):
+    """lora.targets names a backend model's linears as peft does (Phi-3's fused qkv_proj and gate_up_proj); 'all' is
+    every linear of its decoder layers; the adapters are what a LoRA checkpoint holds."""
+    from titanlite.config import load
+    from titanlite.models.lora import resolve_targets
+    from titanlite.plan import model_shapes, validate_for_world
+
+    folder, _ = hf_folder(tmp_path, "phi3")
+    cfg = load(tiny_argv(tmp_path / "run", "--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder),
+                         "--lora.enable", "true", "--lora.targets", "qkv_proj,down_proj"))  # fmt: skip
+    args = validate_for_world(cfg, 2, device_type=None).model_args
+    assert resolve_targets(["all"], args) == ["o_proj", "qkv_proj", "gate_up_proj", "down_proj"]
+    shapes = model_shapes(cfg, args)
+    adapters = sorted(n for n in shapes if ".lora_" in n)
+    assert adapters[:2] == ["model.layers.0.mlp.down_proj.lora_a.weight", "model.layers.0.mlp.down_proj.lora_b.weight"]
+    assert len(adapters) == 2 * 2 * 2 and shapes["model.layers.0.self_attn.qkv_proj.lora_b.weight"] == (128, 16)
+
+
 @pytest.mark.parametrize("extra,message", REFUSALS)
 def test_what_the_backend_does_not_run_is_refused_in_one_line(tmp_path, extra, message):
     from titanlite.errors import ConfigError
@@ -277,15 +304,21 @@ def test_packing_is_refused_for_layers_that_carry_state_and_bad_folders_in_one_l
             _shape(backend, root=tmp_path, folder=folder)
 
 
-# olmo3_config: OLMo 3 from its config.json alone, the weights drawn from the seed
-TRAINED = ["phi3", "gemma3", "qwen3_5", "olmo3", "llama4_text", "deepseek_v32", "qwen3_5_moe", "olmo3_config"]
+# olmo3_config: OLMo 3 from its config.json alone, the weights drawn from the seed; *_lora: LoRA on the folder
+LORA = {  # name -> its [lora] overrides (peft's names of the model's own linears)
+    "phi3_lora": ["--lora.targets", "qkv_proj,gate_up_proj"],
+    "qwen3_5_lora": ["--lora.targets", "all"],  # Gated DeltaNet's in_proj_qkv, in_proj_z, ... and attention's
+}
+TRAINED = ["phi3", "gemma3", "qwen3_5", "olmo3", "llama4_text", "deepseek_v32", "qwen3_5_moe", "olmo3_config", *LORA]
 EXPORTED = ["gemma3", "qwen3_5"]
 X = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
 
 
 def _argv(root, name, run, *extra):
+    lora = ["--lora.enable", "true", "--lora.rank", "4", "--optimizer.lr", "1e-2", *LORA[name]] if name in LORA else []
+    base = root / name.removesuffix("_lora")
     return tiny_argv(
-        root / run / name, "--model.flavor", "hf", "--checkpoint.initial_load_path", str(root / name),
+        root / run / name, "--model.flavor", "hf", "--checkpoint.initial_load_path", str(base), *lora,
         "--training.steps", "4", "--training.global_batch_size", "4", "--training.local_batch_size", "1",
         "--checkpoint.enable", "--checkpoint.interval", "2", *extra,
     )  # fmt: skip
@@ -338,12 +371,13 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     checkpointing per decoder layer (full, selective) and validation at one process; the FSDP(2) run's step-2
     checkpoint resumed at one process gives its steps 3 and 4; its HF exports (at the last step, and of a saved step
     by the export command) load in transformers with no missing key and the trained model's logits."""
-    for name in TRAINED:
+    for name in (n for n in TRAINED if n not in LORA):
         config_folder(tmp_path, name[: -len("_config")]) if name.endswith("_config") else hf_folder(tmp_path, name)
     one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
     fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", TRAINED)[0]
-    hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", ["gemma3", "deepseek_v32", "olmo3_config"], 2)[0]
-    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32"])[0]
+    hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora"],
+                           2)[0]  # fmt: skip
+    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "qwen3_5_lora"])[0]
     for name in TRAINED:
         ref = one[name]["losses"]
         assert sorted(ref) == [1, 2, 3, 4] and ref[4] < ref[1], name
@@ -368,3 +402,47 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         with torch.no_grad():
             assert (back.eval()(input_ids=X).logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name
+    _check_lora_exports(tmp_path, fsdp2)
+
+
+def _check_lora_exports(root, fsdp2):
+    """Each LoRA run's step-4 adapters exported as a peft folder load with peft onto transformers' model of the base
+    folder, merged as an HF folder load in transformers, and read back through lora.initial_adapter_path, with the
+    trained model's logits; `generate` on the checkpoint samples what transformers' generate does with the peft
+    model."""
+    peft = pytest.importorskip("peft")
+    from titanlite.cli.checkpoint import main as checkpoint_command
+    from titanlite.cli.generate import run
+    from titanlite.data.tokenizers import ByteTokenizer
+
+    for name in LORA:
+        step = root / "fsdp2" / name / "checkpoint" / "step-4"
+        for fmt in ("peft", "hf"):
+            argv = ["export", "--checkpoint", str(step), "--output", str(root / f"{name}-{fmt}"), "--format", fmt]
+            assert checkpoint_command(argv) == 0, (name, fmt)
+        base = transformers.AutoModelForCausalLM.from_pretrained(root / name.removesuffix("_lora"))
+        adapted = peft.PeftModel.from_pretrained(base, root / f"{name}-peft").eval()
+        merged, info = transformers.AutoModelForCausalLM.from_pretrained(root / f"{name}-hf", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+        with torch.no_grad():
+            assert (adapted(input_ids=X).logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name
+            assert (merged.eval()(input_ids=X).logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name
+        tokenizer = ByteTokenizer()
+        ids = tokenizer.with_bos(tokenizer.encode("The cat"))
+        expected = adapted.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        own = ["--config", str(step / "job_config.toml"), "--checkpoint", str(step)]
+        text = run([*own, "--prompt", "The cat", "--max-new-tokens", "6", "--temperature", "0"])
+        assert text == tokenizer.decode(expected[0, len(ids) :].tolist()), name
+    for name, logits in run_distributed(_from_peft_folders, 1, root)[0].items():
+        assert (logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name
+
+
+def _from_peft_folders(root):
+    """Each LoRA run's model started from its exported peft folder (lora.initial_adapter_path): its logits on X."""
+    out = {}
+    for name in LORA:
+        peft_folder = str(root / f"{name}-peft")
+        t = make_trainer(_argv(root, name, "from-peft", "--lora.initial_adapter_path", peft_folder))
+        with torch.no_grad():
+            out[name] = t.model.eval()(X)
+    return out

@@ -38,7 +38,6 @@ from titanlite.models.eval_mode import eval_mode
 from titanlite.models.hf_config import hf_folder, is_hf_folder, missing_weights_note
 from titanlite.models.kv_cache import KVCache
 from titanlite.models.lora import adapter_names
-from titanlite.models.registry import model_args
 from titanlite.models.resolve import resolved_model_args
 
 logger = logging.getLogger("titanlite")
@@ -166,7 +165,7 @@ def settle_lora(cfg: JobConfig, checkpoint: Path | None, given: set[str], vocab_
                 f"--lora.initial_adapter_path {lora.initial_adapter_path} would replace the adapters --checkpoint "
                 f"{str(checkpoint)!r} holds; give one of them"
             )
-        args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(base["path"]))
+        args = resolved_model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(base["path"]))
         _adopt(cfg, trained, f"--checkpoint {str(checkpoint)!r}", given, args)
         cfg.checkpoint.initial_load_path = base["path"]
         logger.info(
@@ -198,7 +197,7 @@ def settle_lora(cfg: JobConfig, checkpoint: Path | None, given: set[str], vocab_
             "give a LoRA checkpoint, or drop --lora.enable to sample from the base alone"
         )
     folder = Path(lora.initial_adapter_path).expanduser()
-    args = model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
+    args = resolved_model_args(cfg.model, vocab_size, cfg.training.seq_len, hf_folder(cfg.checkpoint.initial_load_path))
     settings = peft_settings(folder, args)
     trained = replace(
         lora,

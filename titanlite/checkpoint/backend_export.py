@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from titanlite.checkpoint.hf_io import copy_tokenizer_files
+from titanlite.checkpoint.hf_io import save_hf_sharded
 from titanlite.checkpoint.safe_reading import safe_dcp_load
-from titanlite.models.transformers_backend.args import BackendArgs
+from titanlite.models.transformers_backend.args import saved_backend_args
 from titanlite.models.transformers_backend.model import BackendModel
 
 
 def backend_from_saved(saved_args: dict) -> BackendModel:
     """The backend model of a checkpoint's model_args.json, on the CPU (weights unset)."""
-    fields = BackendArgs.__dataclass_fields__
-    args = BackendArgs(**{k: v for k, v in saved_args.items() if k in fields and k != "rope_scaling"})
     with torch.device("meta"):
-        model = BackendModel(args)
+        model = BackendModel(saved_backend_args(saved_args))
     model.to_empty(device="cpu")
     model.init_buffers()
     return model
@@ -30,6 +28,4 @@ def export_backend(step, prefix: str, out, saved_args: dict, dtype: torch.dtype 
     model = backend_from_saved(saved_args)
     state = model.state_dict()
     safe_dcp_load({"model": state} if prefix else state, step, no_dist=True)
-    model.save_hf_folder(out, dtype or next(iter(state.values())).dtype, max_shard_size=max_file_bytes)
-    copy_tokenizer_files(tokenizer, out)
-    return len(state)
+    return save_hf_sharded(model, out, dtype or next(iter(state.values())).dtype, tokenizer, max_file_bytes)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from titanlite.checkpoint.catalog import checkpoint_folder
-from titanlite.checkpoint.hf_io import copy_tokenizer_files, save_hf_sharded
+from titanlite.checkpoint.hf_io import save_hf_sharded
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.storage import describe_failure, is_remote, remove_tree, upload
 
@@ -22,12 +22,7 @@ def write_hf_copy(cfg, model, tokenizer, step: int, rank: int):
     local = Path(cfg.job.dump_folder) / out.name if is_remote(out) else out
     t0 = time.perf_counter()
     dtype, started_from = TORCH_DTYPES[cfg.checkpoint.export_dtype], cfg.checkpoint.initial_load_path
-    if hasattr(model, "save_hf_folder"):  # the transformers backend: transformers' own layout
-        model.save_hf_folder(local, dtype)
-        if rank == 0:
-            copy_tokenizer_files(tokenizer, local)
-    else:
-        save_hf_sharded(model, local, dtype, tokenizer, started_from=started_from)
+    save_hf_sharded(model, local, dtype, tokenizer, started_from=started_from)
     if local != out and rank == 0:
         try:
             remove_tree(out)

@@ -241,10 +241,16 @@ def save_hf_sharded(
 ) -> int:
     """Write the model as a HF folder from every rank of the job (call on all ranks), with the tensors it carries
     from the folder the run `started_from` (checkpoint.initial_load_path; hf_carried.py); returns the number of
-    tensors the folder holds (on rank 0; the others count the model's only)."""
+    tensors the folder holds (on rank 0; the others count the model's only). A transformers-backend model is written
+    as transformers saves its class."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter  # needs safetensors: checked below
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    if hasattr(model, "save_hf_folder"):
+        written = model.save_hf_folder(out, dtype, max_shard_size=max_file_bytes)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            copy_tokenizer_files(tokenizer, pathlib.Path(out))
+        return written
     safetensors_module()
     out = pathlib.Path(out)
     args = model.args

@@ -21,9 +21,11 @@ from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import TORCH_DTYPES
 from titanlite.errors import ConfigError
 from titanlite.models.args import args_from_dict
+from titanlite.models.family import BACKEND
 from titanlite.models.hf_names import is_routing_bias, routing_bias_shapes
 from titanlite.models.lora import merge_adapters
 from titanlite.models.nf4 import nf4_api, quantized_linears
+from titanlite.models.transformers_backend.args import saved_backend_args
 from titanlite.storage import is_url
 
 
@@ -76,7 +78,7 @@ def _run_of(step: Path):
     cfg, saved_args = saved_job_config(step), saved_model_args(step)
     if cfg is None or saved_args is None:
         raise ConfigError(f"--checkpoint {step} has no readable job_config.toml / model_args.json")
-    return cfg, args_from_dict(saved_args)
+    return cfg, saved_backend_args(saved_args) if saved_args.get("family") == BACKEND else args_from_dict(saved_args)
 
 
 def export_peft(step: Path, output: Path, dtype: torch.dtype | None) -> int:

@@ -28,6 +28,8 @@ from titanlite.models.lora import (
     adapter_names,
     from_peft,
     is_adapter,
+    is_backend,
+    model_roles,
     peft_config,
     resolve_targets,
     to_peft,
@@ -243,6 +245,8 @@ def _check_supported(folder: Path, config: dict) -> None:
 def _module_roles(args: ModelArgs) -> dict[str, tuple[int, str]]:
     """peft module path (base_model.model.model.layers.0.self_attn.q_proj) -> (block, role), for every role the
     model can adapt."""
+    if is_backend(args):
+        return {f"{PEFT_PREFIX}{p}": (int(p.split(".")[2]), p.rpartition(".")[2]) for p in args.linears}
     out = {}
     for role in resolve_targets(["all"], args):
         for i in range(args.n_layers):
@@ -281,7 +285,7 @@ def adapted_roles(folder: Path, config: dict, args: ModelArgs) -> list[str]:
     if not blocks:
         raise ConfigError(f"{where} holds no adapters")
     for role, have in blocks.items():
-        every = set(args.moe_layers) if role in EXPERT_ROLES else set(range(args.n_layers))
+        every = layers_with(role, args)
         if have != every:
             missing = sorted(every - have)
             excluded = config.get("exclude_modules")
@@ -296,7 +300,14 @@ def adapted_roles(folder: Path, config: dict, args: ModelArgs) -> list[str]:
                 f"{', '.join(map(str, missing[:8]))}){why}; titanlite's LoRA adapts the same projections in every "
                 "block"
             )
-    return [r for r in [*ROLE_MODULES, *EXPERT_ROLES] if r in blocks]
+    return [r for r in [*model_roles(args), *EXPERT_ROLES] if r in blocks]
+
+
+def layers_with(role: str, args: ModelArgs) -> set[int]:
+    """The blocks that have a projection of this role (a hybrid backend model's layer kinds have their own)."""
+    if is_backend(args):
+        return args.role_layers(role)
+    return set(args.moe_layers) if role in EXPERT_ROLES else set(range(args.n_layers))
 
 
 def peft_settings(folder: Path, args: ModelArgs) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from titanlite.config.fields import POSITIVE, fraction, one_of, positive, setting
@@ -24,6 +25,7 @@ LORA_TARGETS = (
     "experts.down_proj",
 )
 BASE_DTYPES = ("float32", "bfloat16", "nf4")
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 
 
 @dataclass
@@ -46,9 +48,11 @@ class Lora:
     targets: list[str] = setting(
         ["all"],
         "projections that get adapters: any of " + ", ".join(LORA_TARGETS) + "; 'all' = every one the model has "
-        "as a dense projection (peft's all-linear: an MoE family's attention); experts.* = every expert of an MoE",
-        lambda v: bool(v) and (v == ["all"] or set(v) <= set(LORA_TARGETS)),
-        "'all' or a non-empty list of " + ", ".join(LORA_TARGETS),
+        "as a dense projection (peft's all-linear: an MoE family's attention); experts.* = every expert of an MoE; "
+        "a transformers-backend model: the names of its decoder layers' linears (in_proj_qkv, gate_up_proj, ...)",
+        lambda v: bool(v) and (v == ["all"] or all(isinstance(t, str) and MODULE_NAME.fullmatch(t) for t in v)),
+        "'all' or a non-empty list of module names: " + ", ".join(LORA_TARGETS) + " (the native families), or a "
+        "transformers-backend model's linears",
     )
     base_dtype: str = setting(
         "float32",

@@ -28,6 +28,7 @@ from titanlite.models.expert_lora import (
     is_expert_adapter,
     merge_expert_adapters,
 )
+from titanlite.models.family import BACKEND
 from titanlite.models.hf_names import (
     fused_experts,
     half_split_to_interleaved,
@@ -54,8 +55,16 @@ MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
 LATENT_ROLES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
+def is_backend(args: ModelArgs) -> bool:
+    """Whether these are a transformers-backend model's args (its linears are adapted by their own names)."""
+    return args.family == BACKEND
+
+
 def model_roles(args: ModelArgs) -> list[str]:
-    """The roles this model's blocks have a dense projection for (an MoE's experts: expert_roles)."""
+    """The roles this model's blocks have a dense projection for (an MoE's experts: expert_roles); a transformers
+    backend model's: the names of its decoder layers' linears."""
+    if is_backend(args):
+        return args.linear_roles
     if args.mla:
         q = ["q_a_proj", "q_b_proj"] if args.q_lora_rank else ["q_proj"]
         attention = [*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -84,6 +93,14 @@ def resolve_targets(targets: list[str], args: ModelArgs) -> list[str]:
     roles = model_roles(args)
     if targets == ["all"]:
         return roles
+    if is_backend(args) and (other := [r for r in targets if r not in roles]):
+        raise ValueError(
+            f"{', '.join(other)}: {args.model_type}'s decoder layers have no nn.Linear of that name (fused expert "
+            f"tensors take no adapters in the transformers backend); valid targets for it: {', '.join(roles)} "
+            "(or 'all')"
+        )
+    if is_backend(args):
+        return list(targets)
     if other := [r for r in targets if r in EXPERT_ROLES and not args.moe]:
         raise ValueError(
             f"{', '.join(other)}: the {args.family} model is dense, it has no experts; valid targets for it: "
@@ -173,6 +190,8 @@ def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float, rslo
 
 def adapted_modules(model: nn.Module, roles: list[str]) -> dict[str, nn.Linear]:
     """Qualified name -> projection of every block's targeted dense roles, in model order."""
+    if is_backend(model.args):
+        return {p: model.get_submodule(p) for p in model.args.linears if p.rpartition(".")[2] in roles}
     wanted = {ROLE_MODULES[r] for r in roles if r in ROLE_MODULES}
     out = {}
     for i, block in enumerate(model.layers):
@@ -206,7 +225,7 @@ def apply_lora(model: nn.Module, lora_cfg, base_dtype: torch.dtype | None = None
                 setattr(module, leaf, cast[id(p)])
             else:
                 p.requires_grad_(False)
-    return len(modules) + len(experts) * len(model.expert_units())
+    return len(modules) + (len(experts) * len(model.expert_units()) if experts else 0)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
@@ -232,13 +251,14 @@ def to_peft_name(name: str, args: ModelArgs, experts: tuple[str, ...] = tuple(EX
     """An adapter parameter's key in a peft adapter_model.safetensors (experts: the expert roles adapted)."""
     if is_expert_adapter(name):
         return expert_peft_key(name, list(experts))
-    module = to_hf_name(base_weight_name(name), args).removesuffix(".weight")
+    base = base_weight_name(name)
+    module = (base if is_backend(args) else to_hf_name(base, args)).removesuffix(".weight")  # backend: HF's names
     return f"{PEFT_PREFIX}{module}.{'lora_A' if f'.{ADAPTER_A}.' in name else 'lora_B'}.weight"
 
 
 def _rope_rows(name: str, args: ModelArgs) -> int | None:
     """Heads whose rows an adapter's B permutes between titanlite's and HF's q/k layouts (models/hf_names.py)."""
-    if is_expert_adapter(name):
+    if is_expert_adapter(name) or is_backend(args):
         return None
     return rope_heads(base_weight_name(name), args) if f".{ADAPTER_B}." in name else None
 
@@ -303,7 +323,7 @@ def peft_config(roles: list[str], rank: int, alpha: float, dropout: float, base:
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": [r for r in roles if r in ROLE_MODULES] or None,
+        "target_modules": [r for r in roles if r not in EXPERT_ROLES] or None,
         "target_parameters": [f"mlp.{r}" for r in EXPERT_ROLES if r in roles] or None,
         "bias": "none",
         "fan_in_fan_out": False,

@@ -45,6 +45,7 @@ class BackendArgs(ModelArgs):
     state_layers: str = ""  # the class of its layers that keep a state along the sequence (Mamba, Gated DeltaNet)
     hf_weights: bool = False  # the folder holds every weight (no initialisation from the seed is needed)
     frozen: tuple[str, ...] = ()  # name parts of parameters no loss reaches (a sparse-attention indexer): not trained
+    linears: tuple[str, ...] = ()  # the decoder layers' trained nn.Linear modules (model.layers.0.self_attn.q_proj)
 
     @property
     def model_type(self) -> str:
@@ -54,6 +55,15 @@ class BackendArgs(ModelArgs):
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every parameter by its state-dict name (transformers' names), from the meta model."""
         return dict(self.counts.get("shapes", {}))
+
+    @property
+    def linear_roles(self) -> list[str]:
+        """The names LoRA targets the decoder layers' linears by (peft's: their last name part), in model order."""
+        return list(dict.fromkeys(path.rpartition(".")[2] for path in self.linears))
+
+    def role_layers(self, role: str) -> set[int]:
+        """The decoder layers that have a linear of this name (a hybrid model's layer kinds differ)."""
+        return {int(path.split(".")[2]) for path in self.linears if path.rpartition(".")[2] == role}
 
     def tied_copies(self) -> tuple[str, ...]:
         return ("lm_head.weight",) if self.tie_embeddings else ()
@@ -72,6 +82,16 @@ class BackendArgs(ModelArgs):
                    and t != "linear_attention")  # fmt: skip
         attention = 6 * self.n_heads * 2 * self.head_dim * keys
         return 6 * self.param_counts()["active_non_embedding"] + attention
+
+
+def saved_backend_args(saved: dict) -> BackendArgs:
+    """The BackendArgs a checkpoint's model_args.json holds (its JSON lists read back as tuples)."""
+    fields = BackendArgs.__dataclass_fields__
+    data = {k: v for k, v in saved.items() if k in fields and k != "rope_scaling"}
+    for key in ("frozen", "linears", "dense_layers", "sliding_layers"):
+        if isinstance(data.get(key), list):
+            data[key] = tuple(data[key])
+    return BackendArgs(**data)
 
 
 def text_config(config: dict, source: str):
@@ -176,6 +196,16 @@ def backend_args(config_folder, vocab_size: int, seq_len: int, attention: str, t
         state_layers=_state_layers(model, types),
         hf_weights=any(Path(config_folder).expanduser().glob("*.safetensors")),
         frozen=frozen,
+        linears=_layer_linears(model, frozen),
+    )
+
+
+def _layer_linears(model, frozen: tuple[str, ...]) -> tuple[str, ...]:
+    """The names of the decoder layers' plain nn.Linear modules that train (what LoRA can adapt)."""
+    return tuple(
+        name
+        for name, m in model.named_modules()
+        if name.startswith("model.layers.") and type(m) is torch.nn.Linear and not any(f in f".{name}." for f in frozen)
     )
 
 

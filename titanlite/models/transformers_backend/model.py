@@ -117,6 +117,7 @@ class BackendModel(nn.Module):
         checkpoint's): drawing holds a whole decoder layer on every rank."""
         if not self.args.hf_weights:
             weights.init_by_name(self.hf, seed)
+        weights.init_adapters(self, seed)
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -128,6 +129,6 @@ class BackendModel(nn.Module):
         folder with a config.json only leaves the weights drawn from the seed."""
         weights.load_folder(self.hf, folder)
 
-    def save_hf_folder(self, out, dtype: torch.dtype, max_shard_size: str | int = "5GB") -> None:
-        """Write the model as transformers saves it (call on every rank; rank 0 writes)."""
-        weights.save_folder(self, out, dtype, max_shard_size)
+    def save_hf_folder(self, out, dtype: torch.dtype, max_shard_size: str | int = "5GB") -> int:
+        """Write the model as transformers saves it (call on every rank; rank 0 writes); the tensors written."""
+        return weights.save_folder(self, out, dtype, max_shard_size)

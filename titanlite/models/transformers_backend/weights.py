@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.compat import transformers_load
 from titanlite.errors import ConfigError
+from titanlite.models.lora import adapter_init, is_adapter
 
 logger = logging.getLogger("titanlite")
 
@@ -91,6 +92,20 @@ def _init_unit(hf: nn.Module, inside, seed: int) -> list[str]:
 
 
 @torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Every LoRA adapter parameter drawn as peft draws it (A Kaiming-uniform, B zero) from (seed, its name), on its
+    full shape: the same adapters at any topology."""
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        full = torch.empty(p.shape, dtype=p.dtype, device=_local(p).device)
+        adapter_init(name)(full, torch.Generator(device=full.device).manual_seed(_name_seed(seed, name)))
+        if isinstance(p, DTensor):
+            full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.copy_(full)
+
+
+@torch.no_grad()
 def init_buffers(hf: nn.Module) -> None:
     """The non-persistent buffers (rotary frequencies, embedding scales) from the model's `_init_weights`, its
     parameters left as they are."""
@@ -131,7 +146,7 @@ def load_folder(hf: nn.Module, folder) -> None:
             dst.copy_(src)
         (owner._parameters if attr in owner._parameters else owner._buffers)[attr] = original
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {})
-    missing = sorted(k for k in info.missing_keys if k not in tied)
+    missing = sorted(k for k in info.missing_keys if k not in tied and not is_adapter(k))
     if missing:
         raise ConfigError(
             f"checkpoint.initial_load_path = {str(folder)!r} lacks {len(missing)} of the model's weights "
@@ -149,20 +164,24 @@ def load_folder(hf: nn.Module, folder) -> None:
     init_buffers(hf)
 
 
-def save_folder(model: nn.Module, out, dtype: torch.dtype, max_shard_size: str | int = "5GB") -> None:
+def save_folder(model: nn.Module, out, dtype: torch.dtype, max_shard_size: str | int = "5GB") -> int:
     """Write `model` (a BackendModel, sharded or not) as transformers saves its class: its names, config.json and
-    sharded safetensors with an index. Every rank gathers the full weights to the CPU; rank 0 writes."""
+    sharded safetensors with an index; the number of tensors written. Every rank gathers the full weights to the
+    CPU; rank 0 writes."""
     if dist.is_initialized():
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() != 0:
-            return
     else:  # (an export of a saved checkpoint, in one process)
         state = model.state_dict()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return sum(1 for k in state if not is_adapter(k))
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    state = {k: v.to(dtype) if k in params and v.is_floating_point() else v for k, v in state.items()}  # buffers kept
+    state = {  # buffers keep their dtype; adapters are merged into their weights before (lora_export) or not written
+        k: v.to(dtype) if k in params and v.is_floating_point() else v for k, v in state.items() if not is_adapter(k)
+    }
     config, before = model.hf.config, (model.hf.config.use_cache, getattr(model.hf.config, "dtype", None))
     config.use_cache, config.dtype = True, dtype  # as transformers' own folders say (titanlite trains without one)
     try:
         model.hf.save_pretrained(str(out), state_dict=state, max_shard_size=max_shard_size)
     finally:
         config.use_cache, config.dtype = before
+    return len(state)
