@@ -16,6 +16,8 @@
 #   RDZV_JOIN_TIMEOUT  seconds a node waits at the rendezvous for all NNODES nodes (default 600)
 #   LOG_RANK      local ranks whose output is shown (default 0; e.g. 0,1)
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
+#   Under SLURM (inside srun) NNODES, RDZV_ENDPOINT (the job's first node, port RDZV_PORT or 20000 + job id % 20000)
+#   and RDZV_ID come from the job (titanlite/runtime/slurm.py); TITANLITE_IGNORE_SLURM=1 turns that off.
 #
 # Stopping: SIGTERM, SIGINT (Ctrl-C), SIGHUP or SIGUSR1 make every worker save at the end of its step and
 # exit 0; this script then exits 0 too. A second Ctrl-C ends everything at once.
@@ -47,6 +49,13 @@ done
 if [[ "$dry_run" == 1 ]]; then
     # Check the job and size its memory for NGPU x NNODES ranks: no GPU, no torchrun, no real process group.
     exec python -m titanlite.dry_run --job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"}
+fi
+
+# Under SLURM (srun on every node, slurm/train.sbatch): the nodes, this node's number, the rendezvous at the job's
+# first node and the job id come from SLURM's variables; a step that cannot train as one job is refused.
+if [[ -n "${SLURM_JOB_ID:-}" && -z "${TITANLITE_IGNORE_SLURM:-}" ]]; then
+    slurm_settings=$(python -m titanlite.runtime.slurm) || exit 2
+    eval "$slurm_settings"
 fi
 
 ngpu_given=${NGPU:+1}  # a default NGPU is the visible GPUs: only a given one can exceed them
@@ -133,8 +142,10 @@ while true; do
     kill -0 "$torchrun_pid" 2> /dev/null || break  # a trapped signal interrupted `wait`: wait again
 done
 if [[ "$rc" -ne 0 ]] && grep -q '"status": "stopped"' "$TITANLITE_EXIT_STATUS_FILE" 2> /dev/null; then
-    echo "run_train.sh: the workers saved a checkpoint and exited 0 after the stop signal (torchrun's own exit" \
-        "status $rc is its reaction to the signal); relaunch to resume" >&2
+    if [[ "${TITANLITE_NODE_ID:-0}" == 0 ]]; then  # (a SLURM job's first node speaks for all)
+        echo "run_train.sh: the workers saved a checkpoint and exited 0 after the stop signal (torchrun's own exit" \
+            "status $rc is its reaction to the signal); relaunch to resume" >&2
+    fi
     rc=0
 fi
 exit "$rc"

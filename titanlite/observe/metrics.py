@@ -23,10 +23,21 @@ logger = logging.getLogger("titanlite")
 GiB = 1024**3
 
 
+def job_label() -> str:
+    """'slurm-<job id>' inside a SLURM job (a requeued job keeps its id), else '': for run names and the start line."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    return f"slurm-{job}" if job else ""
+
+
 def setup_logging() -> None:
-    """One format for every titanlite log line."""
+    """One format for every titanlite log line; the level INFO, or TITANLITE_LOG_LEVEL's (ERROR on a SLURM job's
+    other nodes: runtime/slurm.py)."""
+    level = os.environ.get("TITANLITE_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
-        level=logging.INFO, format="[titanlite] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
+        level=level if isinstance(logging.getLevelName(level), int) else logging.INFO,
+        format="[titanlite] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
     )
 
 
@@ -201,7 +212,7 @@ class MetricsLogger:
         if metrics_cfg.enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is slow to import, often unused
 
-            run = run_name or time.strftime("%Y%m%d-%H%M%S")
+            run = run_name or "-".join(filter(None, (time.strftime("%Y%m%d-%H%M%S"), job_label())))
             self.tb_dir = os.path.join(dump_folder, metrics_cfg.save_tb_folder, run)
             self.writer = SummaryWriter(self.tb_dir)
             logger.info(f"TensorBoard: tensorboard --logdir {os.path.join(dump_folder, metrics_cfg.save_tb_folder)}")

@@ -9,6 +9,7 @@ from torch import nn
 from titanlite.dtypes import dtype_bytes
 from titanlite.models.nf4 import local_nf4
 from titanlite.models.registry import model_label
+from titanlite.observe.metrics import job_label
 from titanlite.sizing.flops import flops_per_token, param_counts
 from titanlite.sizing.memory import Packed, nf4_bits, optimizer_state_text, optimizer_states, sharded_state_bytes
 
@@ -105,7 +106,10 @@ def startup_lines(model: nn.Module, model_args, dims, cfg) -> list[str]:
 
 
 def _nodes(world: int) -> str:
-    """' (2 nodes x 8 processes)' when torchrun started the job on several nodes, else ''."""
+    """' (2 nodes x 8 processes)' when torchrun started the job on several nodes, else ''; under SLURM with the
+    job's id (' (2 nodes x 8 processes, slurm-1234)')."""
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     processes = f"{per_node} process" + ("es" if per_node > 1 else "")
-    return f" ({world // per_node} nodes x {processes})" if 0 < per_node < world else ""
+    parts = [f"{world // per_node} nodes x {processes}"] if 0 < per_node < world else []
+    parts += [label] if (label := job_label()) else []
+    return f" ({', '.join(parts)})" if parts else ""
