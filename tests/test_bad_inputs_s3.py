@@ -43,6 +43,12 @@ def test_endpoint_down_missing_bucket_dump_url(tmp_path, capsys, s3, monkeypatch
     missing = _url("missing")
     check(Case("s3-initial-load-path-missing", "checkpoint", "train", _train("--checkpoint.initial_load_path", missing),
                (f"checkpoint.initial_load_path = {missing!r} does not exist",)), tmp_path / "d", capsys)  # fmt: skip
+    check(Case("s3-store-folder", "config", "train", _train("--data.store_folder", "s3://titanlite-test/stores"),
+               ("data.store_folder = 's3://titanlite-test/stores'", "python -m titanlite.data prepare",
+                "--output s3://titanlite-test/stores/<name>")), tmp_path / "e", capsys)  # fmt: skip
+    missing = _url("missing.jsonl")
+    check(Case("s3-dataset-missing", "config", "train", _train("--training.dataset", missing),
+               (f"training.dataset = {missing!r} does not exist",)), tmp_path / "f", capsys)  # fmt: skip
 
 
 def test_prefix_of_another_job_uncommitted_step_export_over_other_objects(tmp_path, capsys, s3, monkeypatch):

@@ -46,6 +46,8 @@ SKIP = {
     "RDZV_ENDPOINT=127.0.0.1:29533": "two nodes started together, one line each (tests/test_multi_node.py runs them)",
     "--checkpoint.folder s3://my-bucket/": "needs an S3 bucket and its credentials (tests/test_object_storage.py runs "
     "against moto's S3 server)",
+    "s3://bucket/stores/corpus": "needs an S3 bucket and its credentials (tests/test_data_s3.py runs against moto's "
+    "S3 server)",
 }
 
 # run_train.sh's CONFIG_FILE default, as the script sets it

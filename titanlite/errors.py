@@ -18,6 +18,10 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (the message says where, why, and which checkpoint is intact)."""
 
 
+class DataReadError(RuntimeError):
+    """Training data could not be read after retries (an object store that stays down): the message names the URL."""
+
+
 class ReplicaGroupsError(RuntimeError):
     """A fault-tolerant group cannot go on (its lighthouse is gone, too few groups are live): the message says what
     happened and which checkpoint it saved."""

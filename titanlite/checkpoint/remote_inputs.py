@@ -23,6 +23,8 @@ from pathlib import Path
 
 from titanlite.checkpoint.consolidated import resolve_step
 from titanlite.config import JobConfig
+from titanlite.data.build import parse_mixture
+from titanlite.data.store import MANIFEST
 from titanlite.data.store_build import cache_root
 from titanlite.errors import ConfigError
 from titanlite.storage import checksum, describe_failure, download, files_under, is_file, is_url, location
@@ -100,9 +102,39 @@ def stage_remote_inputs(cfg: JobConfig) -> None:
             cfg.checkpoint.initial_load_path = str(local_copy(url, key))
     if is_url(cfg.lora.initial_adapter_path):
         cfg.lora.initial_adapter_path = str(local_copy(cfg.lora.initial_adapter_path, "lora.initial_adapter_path"))
+    for section, key in DATASET_KEYS:
+        part = getattr(cfg, section)
+        setattr(part, key, _staged_dataset(getattr(part, key), f"{section}.{key}"))
 
 
 STAGED_KEYS = (("checkpoint", "initial_load_path"), ("lora", "initial_adapter_path"))
+DATASET_KEYS = (("training", "dataset"), ("validation", "dataset"))
+
+
+def _staged_dataset(value: str, key: str) -> str:
+    """A dataset setting whose documents in object storage (a jsonl, parquet or text file or folder) name local
+    copies, which the job tokenizes into a token store as a local dataset; a token store there stays remote (read
+    with ranged reads: data/remote_store.py)."""
+    if not value or not any(is_url(name) for name, _ in parse_mixture(value, key)):
+        return value
+    entries = []
+    for name, weight in parse_mixture(value, key):
+        if is_url(name):
+            path = location(name, key)
+            try:
+                store = is_file(path / MANIFEST)
+            except Exception as e:
+                raise ConfigError(describe_failure(path, key, e)) from None
+            name = name if store else str(local_copy(name, key))
+        entries.append((name, weight))
+    return _mixture(entries)
+
+
+def _mixture(entries: list[tuple[str, float]]) -> str:
+    """A dataset setting of these (name, weight) entries: one name alone, or name:weight,..."""
+    if len(entries) == 1 and entries[0][1] == 1:
+        return entries[0][0]
+    return ",".join(f"{name}:{weight:g}" for name, weight in entries)
 
 
 def url_of(path) -> str:
@@ -131,4 +163,9 @@ def as_given(cfg: JobConfig) -> JobConfig:
     for section, key in STAGED_KEYS:
         part = getattr(given, section)
         setattr(part, key, url_of(getattr(part, key)))
+    for section, key in DATASET_KEYS:
+        part = getattr(given, section)
+        value = getattr(part, key)
+        if value and (entries := parse_mixture(value, f"{section}.{key}")) and any(url_of(n) != n for n, _ in entries):
+            setattr(part, key, _mixture([(url_of(name), weight) for name, weight in entries]))
     return given

@@ -17,11 +17,13 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 import time
 
 from titanlite.data.builtin_corpus import cache_setting, check_writable
 from titanlite.data.datasets_io import TEXT_UNITS, DatasetSpec, open_table
 from titanlite.data.encoders import TextEncoder
+from titanlite.data.remote_store import RemoteTokenStore
 from titanlite.data.store import MANIFEST, TokenStore, token_dtype
 from titanlite.data.store_build import (
     Progress,
@@ -37,6 +39,7 @@ from titanlite.data.store_build import (
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.observe.metrics import setup_logging
+from titanlite.storage import describe_failure, is_url, location, remove_tree, storage_problem, upload
 
 logger = logging.getLogger("titanlite")
 
@@ -76,8 +79,40 @@ def _spec(args: argparse.Namespace) -> DatasetSpec:
     return DatasetSpec(args.dataset, args.split, args.text_field, args.dataset_config, args.text_unit, key="--dataset")
 
 
+def prepare_remote(args: argparse.Namespace) -> TokenStore:
+    """Build the store of --output s3://... (any fsspec URL) on this machine, then upload it with its manifest last
+    (a store without store.json is unfinished); an existing one of the same dataset and tokenizer is kept."""
+    url = args.output
+    remote = location(url, "--output")
+    if problem := storage_problem(remote, "--output"):
+        raise ConfigError(problem)
+    spec, tokenizer = _spec(args), build_tokenizer(args.tokenizer)
+    key = store_key(spec, tokenizer.identity, TextEncoder(tokenizer, spec).identity)
+    if (remote / MANIFEST).is_file():
+        store = RemoteTokenStore(url, 1 << 20, 64 << 10)
+        if store.info.key != key:
+            raise ConfigError(f"--output {url} holds a token store of another dataset or tokenizer; choose another")
+        print(f"token store {url} already exists: {store.num_documents:,} documents, {store.num_tokens:,} tokens")
+        return store
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="titanlite-store-", dir=cache_root()) as tmp:
+        local = pathlib.Path(tmp) / "store"
+        prepare(argparse.Namespace(**{**vars(args), "output": str(local)}))
+        t0 = time.perf_counter()
+        try:
+            remove_tree(remote)  # a partial upload of an earlier try (no manifest: not a store)
+            upload(local, remote, last=(MANIFEST,))
+        except Exception as e:
+            raise ConfigError(describe_failure(remote, "--output", e)) from None
+        size = sum(f.stat().st_size for f in local.iterdir())
+        print(f"uploaded token store to {url}: {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s")
+    return RemoteTokenStore(url, 1 << 20, 64 << 10)
+
+
 def prepare(args: argparse.Namespace) -> TokenStore:
     """Build (or find) the store; returns it opened."""
+    if is_url(args.output):
+        return prepare_remote(args)
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers} is not valid; expected a number >= 1")
     spec, tokenizer = _spec(args), build_tokenizer(args.tokenizer)

@@ -6,7 +6,7 @@ import logging
 import os
 
 from titanlite.config import load, to_toml
-from titanlite.errors import CheckpointSaveError, ConfigError, NonFiniteLossError, ReplicaGroupsError
+from titanlite.errors import CheckpointSaveError, ConfigError, DataReadError, NonFiniteLossError, ReplicaGroupsError
 from titanlite.observe.metrics import setup_logging
 from titanlite.runtime.distributed import exit_process, lost_peer, nodes_from_env, shutdown
 from titanlite.runtime.exit_status import (
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     except ConfigError as e:  # data that turns out bad mid-run (a malformed record, ...)
         return user_error(e)
-    except (NonFiniteLossError, CheckpointSaveError, ReplicaGroupsError) as e:
+    except (NonFiniteLossError, CheckpointSaveError, ReplicaGroupsError, DataReadError) as e:
         report_failure(str(e))  # printed once by run_train.sh's launcher, without torchrun's failure table
         shutdown()
         return 1

@@ -169,6 +169,20 @@ class Data:
         "where token stores are kept; '' = <TITANLITE_CACHE or ~/.cache/titanlite>/token_stores (multi-node: "
         "a folder every node sees)",
     )
+    remote_cache_mib: int = setting(
+        256,
+        "a token store in object storage (training.dataset = 's3://...'): MiB of fetched 1 MiB chunks each rank "
+        "keeps, the least recently used dropped first",
+        positive,
+        POSITIVE,
+    )
+    remote_chunk_kib: int = setting(
+        64,
+        "a token store in object storage: KiB per ranged read (the unit of the cache); smaller fetches fewer "
+        "bytes a rank does not use, larger makes fewer requests",
+        positive,
+        POSITIVE,
+    )
     shuffle: bool = setting(True, "shuffle the documents each epoch with training.seed (token stores; any topology)")
     prefetch: int = setting(
         2,

@@ -25,6 +25,7 @@ from titanlite.data.datasets_io import BUILTIN, DatasetSpec, has_split, is_local
 from titanlite.data.encoders import TextEncoder
 from titanlite.data.loader import Prefetcher, StoreDataLoader
 from titanlite.data.packing import PackedDataLoader
+from titanlite.data.remote_store import RemoteTokenStore
 from titanlite.data.sequences import BLEND_PERIOD, PackedLayout, WindowLayout, blend_quota
 from titanlite.data.sources import DocumentSource
 from titanlite.data.store import MANIFEST, TokenStore, token_dtype
@@ -42,6 +43,7 @@ from titanlite.data.store_build import (
     store_path,
 )
 from titanlite.errors import ConfigError
+from titanlite.storage import describe_failure, is_url, location
 
 logger = logging.getLogger("titanlite")
 
@@ -58,6 +60,8 @@ def parse_mixture(value: str, key: str) -> list[tuple[str, float]]:
         if not item:
             continue
         name, sep, weight = item.rpartition(":")
+        if sep and "://" in item and "//" in weight:  # s3://bucket/store: the scheme's colon, no weight
+            name, sep, weight = item, "", ""
         try:
             w = float(weight) if sep else 1.0
         except ValueError:
@@ -170,8 +174,15 @@ def validation_specs(cfg: JobConfig) -> list[tuple[DatasetSpec, float]]:
     return out
 
 
-def prepared_store(spec: DatasetSpec) -> pathlib.Path | None:
-    """The folder when the dataset names a token store made by `python -m titanlite.data prepare`."""
+def prepared_store(spec: DatasetSpec):
+    """The folder (a URL's UPath in object storage) when the dataset names a token store made by
+    `python -m titanlite.data prepare`; ConfigError naming the dataset key when a URL cannot be reached."""
+    if is_url(spec.name):
+        path = location(spec.name, spec.key)
+        try:
+            return path if (path / MANIFEST).is_file() else None
+        except Exception as e:  # botocore and fsspec raise their own types for an unreachable store
+            raise ConfigError(describe_failure(path, spec.key, e)) from None
     path = pathlib.Path(spec.name).expanduser()
     return path if (path / MANIFEST).is_file() else None
 
@@ -188,8 +199,9 @@ def stores_setting(cfg: JobConfig) -> str:
     return cache_setting("where token stores go unless data.store_folder names another folder")
 
 
-def _check_prepared(path: pathlib.Path, spec: DatasetSpec, encoder) -> TokenStore:
-    store = TokenStore(path, rebuild_hint=f"rebuild it with `python -m titanlite.data prepare ... --output {path}`")
+def _check_prepared(path, spec: DatasetSpec, encoder, remote: tuple[int, int]) -> TokenStore:
+    hint = f"rebuild it with `python -m titanlite.data prepare ... --output {path}`"
+    store = RemoteTokenStore(spec.name, *remote, hint) if is_url(spec.name) else TokenStore(path, hint)
     src = store.info.source
     if src.get("tokenizer") != encoder.tokenizer.identity or src.get("encoding") != encoder.identity:
         raise ConfigError(
@@ -232,6 +244,13 @@ def _check_first_record(cfg: JobConfig, spec: DatasetSpec, encoder) -> None:
 
 def check_data(cfg: JobConfig, tokenizer) -> None:
     """Every data check that needs no process group: names, splits, fields, existing stores (ConfigError)."""
+    if is_url(cfg.data.store_folder):
+        raise ConfigError(
+            f"data.store_folder = {cfg.data.store_folder!r}: a job builds its token stores on a filesystem; build one "
+            "into object storage with `python -m titanlite.data prepare --dataset <dataset> --output "
+            f"{cfg.data.store_folder.rstrip('/')}/<name>` and set training.dataset to that URL (each rank then reads "
+            "its own ranges there), or give a local or shared folder"
+        )
     for which, specs in (
         ("training", training_specs(cfg)),
         ("validation", validation_specs(cfg) if cfg.validation.enable else []),
@@ -242,7 +261,7 @@ def check_data(cfg: JobConfig, tokenizer) -> None:
         for spec, _ in specs:
             encoder = make_encoder(cfg, tokenizer, spec)
             if (path := prepared_store(spec)) is not None:
-                _check_prepared(path, spec, encoder)
+                _check_prepared(path, spec, encoder, remote_sizes(cfg))
                 continue
             if cfg.data.store == "auto":
                 final = store_path(stores_folder(cfg), spec, store_key(spec, tokenizer.identity, encoder.identity))
@@ -260,12 +279,20 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def open_or_build_store(spec: DatasetSpec, encoder, folder: pathlib.Path, setting: str = "") -> TokenStore:
+def remote_sizes(cfg: JobConfig) -> tuple[int, int]:
+    """A token store in object storage's (cache bytes per rank, bytes per ranged read)."""
+    return cfg.data.remote_cache_mib << 20, cfg.data.remote_chunk_kib << 10
+
+
+def open_or_build_store(
+    spec: DatasetSpec, encoder, folder: pathlib.Path, setting: str = "", remote: tuple[int, int] = (256 << 20, 64 << 10)
+) -> TokenStore:
     """The store of `spec` in `folder`: opened when it exists, else built by every rank (each its share).
 
-    setting: what chose the folder (for the message when it cannot be written)."""
+    setting: what chose the folder (for the message when it cannot be written); remote: a store in object
+    storage's (cache bytes per rank, bytes per read): remote_sizes."""
     if (path := prepared_store(spec)) is not None:
-        return _check_prepared(path, spec, encoder)
+        return _check_prepared(path, spec, encoder, remote)
     tok = encoder.tokenizer
     rank, world = _rank_world()
     box = [store_key(spec, tok.identity, encoder.identity), build_tag()]
@@ -390,7 +417,7 @@ def build_loader(
         layouts = []
         for spec, _ in specs:
             encoder = make_encoder(cfg, tokenizer, spec)
-            store = open_or_build_store(spec, encoder, stores_folder(cfg), stores_setting(cfg))
+            store = open_or_build_store(spec, encoder, stores_folder(cfg), stores_setting(cfg), remote_sizes(cfg))
             if cfg.data.format == "chat":
                 layout = PackedLayout(store, t.seq_len, pad_id=tokenizer.eos_id, shuffle_seed=seed, pack_seed=t.seed)
                 check_counted_after_cut(layout, spec, t)

@@ -77,9 +77,16 @@ class WindowLayout:
 
     def read(self, index: int) -> Window:
         """Global window `index` of this store."""
+        ranges, starts = self._pieces(index)
+        self.store.prefetch(ranges)  # (a store in object storage fetches them together)
+        pieces = [self.store.tokens(begin, end) for begin, end in ranges]
+        return Window(np.concatenate(pieces), _positions(starts, self.window), np.ones(self.window, dtype=np.uint8))
+
+    def _pieces(self, index: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """The token ranges of window `index` in order, and where in it each document starts."""
         pos = index * self.window
         need = self.window
-        pieces, starts, filled = [], [0], 0
+        ranges, starts, filled = [], [0], 0
         while need:
             epoch, offset = divmod(pos, self.epoch_tokens)
             perm, doc_starts = self._order(epoch)
@@ -88,13 +95,13 @@ class WindowLayout:
             in_doc = offset - int(doc_starts[i])
             take = min(int(self.lengths[doc]) - in_doc, need)
             begin = int(self.store.offsets[doc]) + in_doc
-            pieces.append(self.store.tokens(begin, begin + take))
+            ranges.append((begin, begin + take))
             if in_doc == 0 and filled:
                 starts.append(filled)
             filled += take
             pos += take
             need -= take
-        return Window(np.concatenate(pieces), _positions(starts, self.window), np.ones(self.window, dtype=np.uint8))
+        return ranges, starts
 
     def counted(self, index: int) -> int:
         """Labels of window `index` that count in the loss: every one."""
@@ -176,7 +183,10 @@ class PackedLayout:
         """Global window `index`: its documents back to back, then padding (which never counts)."""
         w = self._window_of(index)
         tokens, masks, starts, filled = [], [], [], 0
-        for doc in self.order[self.bounds[w] : self.bounds[w + 1]].tolist():
+        docs = self.order[self.bounds[w] : self.bounds[w + 1]].tolist()
+        offsets = self.store.offsets
+        self.store.prefetch([(int(offsets[d]), min(int(offsets[d + 1]), int(offsets[d]) + self.window)) for d in docs])
+        for doc in docs:
             begin = int(self.store.offsets[doc])
             n = min(int(self.store.offsets[doc + 1]) - begin, self.window)
             mask = self.store.mask(begin, begin + n).copy()

@@ -133,7 +133,16 @@ class TokenStore:
             return np.ones(stop - start, dtype=np.uint8)
         return self._read(self._masks, start, stop)
 
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Get ready to read these token ranges (a store on disk: nothing to do; data/remote_store.py fetches them
+        together)."""
+
     def _read(self, parts: list[np.ndarray], start: int, stop: int) -> np.ndarray:
+        out = [parts[part][lo:hi] for part, lo, hi in self._spans(start, stop)]
+        return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
+
+    def _spans(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """(part, first, end) of each part's share of the stream's tokens [start, stop), in part-local indices."""
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"token range [{start}, {stop}) outside the store's {self.num_tokens} tokens")
         out = []
@@ -142,10 +151,10 @@ class TokenStore:
             base, end = int(self._part_starts[part]), int(self._part_starts[part + 1])
             take = min(stop, end)
             if take > start:
-                out.append(parts[part][start - base : take - base])
+                out.append((part, start - base, take - base))
             start = take
             part += 1
-        return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
+        return out
 
 
 def read_manifest(path: pathlib.Path, hint: str) -> StoreInfo:
