@@ -36,10 +36,11 @@ def unavailable() -> str | None:
             PACKAGES
         )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env, capture_output=True, text=True)
+    install = ["apt-get", "install", "-y", "-q", *PACKAGES]
+    done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-        done = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env, capture_output=True, text=True)
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=900)
+        done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         return f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr.strip().splitlines()[-1:]}"
     return None
@@ -163,7 +164,13 @@ class Cluster:
         raise TimeoutError(f"SLURM job {job} still {last} after {timeout} s")
 
     def stop(self) -> None:
-        """Stop every daemon this cluster started and restore /etc/hosts."""
+        """Cancel every job (a test that failed half-way leaves its 100000-step run), stop every daemon this cluster
+        started and restore /etc/hosts."""
+        if self._procs:
+            self.run(["scancel", "--signal=KILL", "--full", "--user", "root"], check=False)
+            deadline = time.monotonic() + 30
+            while self.run(["squeue", "-h"], check=False).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
         for p in reversed(self._procs):
             with contextlib.suppress(ProcessLookupError):
                 p.terminate()

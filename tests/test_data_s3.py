@@ -24,10 +24,13 @@ def _argv(dump, dataset, steps=4, *extra):
                      "--checkpoint.interval", "2", "--data.remote_chunk_kib", "16", *extra)  # fmt: skip
 
 
-def _store_of(trainer):
+def _layout_of(trainer):
     loader = trainer.dataloader
-    loader = getattr(loader, "loader", loader)  # (the prefetcher's)
-    return loader.layouts[0].store
+    return getattr(loader, "loader", loader).layouts[0]  # (the prefetcher's)
+
+
+def _store_of(trainer):
+    return _layout_of(trainer).store
 
 
 def _train(tmp, dataset, run, *extra):
@@ -65,6 +68,14 @@ def _resume(tmp, url):
     return make_trainer(_argv(tmp / "resumed", url, 4, "--checkpoint.load_step", "2")).train()
 
 
+def _counted(method, name, calls):
+    def wrapper(*args, **kwargs):
+        calls[name] += 1
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
 def test_an_outage_while_reading_stops_after_the_retries_with_one_message_naming_the_url(tmp_path, s3, monkeypatch):
     from titanlite.cli.data import main as data_command
     from titanlite.data import remote_store
@@ -75,6 +86,11 @@ def test_an_outage_while_reading_stops_after_the_retries_with_one_message_naming
     assert data_command(["prepare", "--dataset", "builtin", "--output", url]) == 0
     monkeypatch.setattr(remote_store, "RETRY_DELAYS", (0.1, 0.2))
     t = make_trainer(_argv(tmp_path / "run", url, 50, "--data.prefetch", "0", "--checkpoint.enable", "false"))
+    fs, calls = _store_of(t).path.fs, {"cat_ranges": 0, "cat_file": 0}
+    for method in calls:  # a window's chunks come in one concurrent request, not one per document
+        monkeypatch.setattr(fs, method, _counted(getattr(fs, method), method, calls))
+    _layout_of(t).read(1000)
+    assert calls == {"cat_ranges": 1, "cat_file": 0}, calls
     s3.down.touch()  # the endpoint goes down once the job runs
     try:
         with pytest.raises(DataReadError, match=r"reading s3://titanlite-test/data-\w+/outage/tokens-\d+.bin "

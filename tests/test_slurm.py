@@ -50,9 +50,12 @@ def _step(nodes=2, tasks=None, node=0, **extra) -> dict:
 def test_the_launcher_reads_the_job_from_slurm_and_refuses_a_step_that_cannot_train_as_one_job():
     hosts = {"gpu[07-08]": "gpu07"}.__getitem__
     first = launch_settings(_step(), hosts)
-    assert first == {"NNODES": "2", "TITANLITE_NODE_ID": "0", "RDZV_ENDPOINT": "gpu07:24242", "RDZV_ID": "slurm-4242"}
+    assert first == {"NNODES": "2", "TITANLITE_NODE_ID": "0", "RDZV_ENDPOINT": "gpu07:24242",
+                     "RDZV_ID": "slurm-4242.0", "TITANLITE_FIRST_NODE_LOGS": "1"}  # fmt: skip
     other = launch_settings(_step(node=1, SLURM_GPUS_ON_NODE="8"), hosts)
-    assert other["TITANLITE_LOG_LEVEL"] == "ERROR" and other["NGPU"] == "8" and other["RDZV_ENDPOINT"] == "gpu07:24242"
+    assert other["LOGLEVEL"] == "ERROR" and other["NGPU"] == "8" and other["RDZV_ENDPOINT"] == "gpu07:24242"
+    some = launch_settings(_step(SLURM_STEP_NODELIST="gpu08"), {"gpu08": "gpu08"}.__getitem__)  # srun -w gpu08
+    assert some["RDZV_ENDPOINT"] == "gpu08:24242"
     assert launch_settings(_step(RDZV_PORT="29500"), hosts)["RDZV_ENDPOINT"] == "gpu07:29500"
     single = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}  # sbatch -N1, no srun: fine
     assert launch_settings(single, hosts) == {"NNODES": "1", "TITANLITE_NODE_ID": "0"}

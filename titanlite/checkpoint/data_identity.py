@@ -15,6 +15,7 @@ import json
 import logging
 from pathlib import Path
 
+from titanlite.checkpoint.remote_inputs import url_of
 from titanlite.errors import ConfigError
 
 logger = logging.getLogger("titanlite")
@@ -29,7 +30,7 @@ def current(tokenizer, loader) -> dict:
         info = layout.store.info
         sources.append(
             {
-                "name": name,
+                "name": url_of(name),  # (documents copied from object storage: by their URL, on any machine)
                 "documents": info.num_documents,
                 "tokens": info.num_tokens,
                 "lengths_sha256": info.offsets_sha256,

@@ -219,7 +219,7 @@ class CheckpointManager:
             self.dataloader.load_state_dict({"sequence_index": math.ceil(position * (old_len + 1) / (new_len + 1))})
         scheduler = self.parts["lr_scheduler"]
         lr = scheduler.lr_scheduler.get_last_lr()[-1]  # optimizer.lr's group
-        lines = describe_changes(saved, self.job_cfg, info.step, position, scheduler.replanned, lr)
+        lines = describe_changes(saved, as_given(self.job_cfg), info.step, position, scheduler.replanned, lr)
         if lines and self.rank == 0:
             logger.warning(
                 f"This run's config differs from that of {info.path}; the config wins:\n  " + "\n  ".join(lines)

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
@@ -39,8 +40,9 @@ from titanlite.data.store_build import (
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.observe.metrics import setup_logging
-from titanlite.storage import describe_failure, is_url, location, remove_tree, storage_problem, upload
+from titanlite.storage import describe_failure, files_under, is_file, is_url, location, storage_problem, upload
 
+STORE_FILE = re.compile(r"(tokens|mask)-\d{5}\.bin|offsets\.npy|counted\.npy")  # store.json: last, the commit
 logger = logging.getLogger("titanlite")
 
 
@@ -88,7 +90,7 @@ def prepare_remote(args: argparse.Namespace) -> TokenStore:
         raise ConfigError(problem)
     spec, tokenizer = _spec(args), build_tokenizer(args.tokenizer)
     key = store_key(spec, tokenizer.identity, TextEncoder(tokenizer, spec).identity)
-    if (remote / MANIFEST).is_file():
+    if is_file(remote / MANIFEST):
         store = RemoteTokenStore(url, 1 << 20, 64 << 10)
         if store.info.key != key:
             raise ConfigError(f"--output {url} holds a token store of another dataset or tokenizer; choose another")
@@ -100,13 +102,28 @@ def prepare_remote(args: argparse.Namespace) -> TokenStore:
         prepare(argparse.Namespace(**{**vars(args), "output": str(local)}))
         t0 = time.perf_counter()
         try:
-            remove_tree(remote)  # a partial upload of an earlier try (no manifest: not a store)
+            _clear_partial_upload(remote, url)
             upload(local, remote, last=(MANIFEST,))
+        except ConfigError:
+            raise
         except Exception as e:
             raise ConfigError(describe_failure(remote, "--output", e)) from None
         size = sum(f.stat().st_size for f in local.iterdir())
         print(f"uploaded token store to {url}: {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s")
     return RemoteTokenStore(url, 1 << 20, 64 << 10)
+
+
+def _clear_partial_upload(remote, url: str) -> None:
+    """Remove what an earlier, interrupted upload left (a store's own files, no manifest); ConfigError when the
+    prefix holds anything else: it is not a store's folder, and nothing there is touched."""
+    found = files_under(remote)
+    if other := [name for name in found if not STORE_FILE.fullmatch(name)]:
+        raise ConfigError(
+            f"--output {url} holds {len(other)} object(s) that are no token store's ({other[0]}, ...); give a prefix "
+            "of its own (e.g. s3://bucket/stores/<name>)"
+        )
+    for name in found:
+        (remote / name).unlink()
 
 
 def prepare(args: argparse.Namespace) -> TokenStore:

@@ -43,7 +43,7 @@ from titanlite.data.store_build import (
     store_path,
 )
 from titanlite.errors import ConfigError
-from titanlite.storage import describe_failure, is_url, location
+from titanlite.storage import describe_failure, is_file, is_url, location
 
 logger = logging.getLogger("titanlite")
 
@@ -60,8 +60,11 @@ def parse_mixture(value: str, key: str) -> list[tuple[str, float]]:
         if not item:
             continue
         name, sep, weight = item.rpartition(":")
-        if sep and "://" in item and "//" in weight:  # s3://bucket/store: the scheme's colon, no weight
-            name, sep, weight = item, "", ""
+        if sep and "://" in item:  # s3://bucket/run:2/store: a colon of the URL unless a number follows it
+            try:
+                float(weight)
+            except ValueError:
+                name, sep, weight = item, "", ""
         try:
             w = float(weight) if sep else 1.0
         except ValueError:
@@ -180,7 +183,7 @@ def prepared_store(spec: DatasetSpec):
     if is_url(spec.name):
         path = location(spec.name, spec.key)
         try:
-            return path if (path / MANIFEST).is_file() else None
+            return path if is_file(path / MANIFEST) else None
         except Exception as e:  # botocore and fsspec raise their own types for an unreachable store
             raise ConfigError(describe_failure(path, spec.key, e)) from None
     path = pathlib.Path(spec.name).expanduser()
@@ -262,6 +265,8 @@ def check_data(cfg: JobConfig, tokenizer) -> None:
             encoder = make_encoder(cfg, tokenizer, spec)
             if (path := prepared_store(spec)) is not None:
                 _check_prepared(path, spec, encoder, remote_sizes(cfg))
+                continue
+            if is_url(spec.name):  # documents in object storage: copied and read at launch (remote_inputs.py)
                 continue
             if cfg.data.store == "auto":
                 final = store_path(stores_folder(cfg), spec, store_key(spec, tokenizer.identity, encoder.identity))

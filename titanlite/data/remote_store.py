@@ -128,7 +128,7 @@ class RemoteTokenStore(TokenStore):
         try:
             self.info = info = read_manifest(self.path, hint)
             offsets = self._whole(OFFSETS)
-        except OSError as e:
+        except (OSError, DataReadError) as e:
             raise ConfigError(f"token store {url} cannot be read: {type(e).__name__}: {e}") from None
         if hashlib.sha256(offsets).hexdigest() != info.offsets_sha256:
             raise ConfigError(f"token store {url} is corrupt: {OFFSETS} does not match its checksum; {hint}")

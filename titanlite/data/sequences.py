@@ -155,7 +155,9 @@ class PackedLayout:
     def _count_labels(self, lengths: np.ndarray) -> np.ndarray:
         """Counted labels per window: each document's mask without its first token, after truncation."""
         per_doc = self.store.counted_labels().copy()
-        for doc in np.flatnonzero(lengths > self.window).tolist():  # truncated: count what is kept
+        truncated = np.flatnonzero(lengths > self.window).tolist()
+        self.store.prefetch([(int(self.store.offsets[d]), int(self.store.offsets[d]) + self.window) for d in truncated])
+        for doc in truncated:  # truncated: count what is kept
             start = int(self.store.offsets[doc])
             per_doc[doc] = int(self.store.mask(start + 1, start + self.window).sum())
         in_order = per_doc[self.order]

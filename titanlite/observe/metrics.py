@@ -33,6 +33,8 @@ def setup_logging() -> None:
     """One format for every titanlite log line; the level INFO, or TITANLITE_LOG_LEVEL's (ERROR on a SLURM job's
     other nodes: runtime/slurm.py)."""
     level = os.environ.get("TITANLITE_LOG_LEVEL", "INFO").upper()
+    if os.environ.get("TITANLITE_FIRST_NODE_LOGS") == "1" and os.environ.get("GROUP_RANK", "0") != "0":
+        level = "ERROR"  # a SLURM job's other nodes (runtime/slurm.py): one copy of each line in the job's output
     logging.basicConfig(
         level=level if isinstance(logging.getLevelName(level), int) else logging.INFO,
         format="[titanlite] %(asctime)s %(levelname)s %(message)s",

@@ -59,12 +59,16 @@ def launch_settings(env: Mapping[str, str], hosts: Callable[[str], str] = first_
     out = {"NNODES": str(nodes), "TITANLITE_NODE_ID": env.get("SLURM_NODEID", "0")}
     if nodes > 1:
         port = env.get("RDZV_PORT") or str(DEFAULT_PORT_BASE + int(job) % PORT_SPAN)
-        out["RDZV_ENDPOINT"] = env.get("RDZV_ENDPOINT") or f"{hosts(env['SLURM_JOB_NODELIST'])}:{port}"
-        out["RDZV_ID"] = env.get("RDZV_ID") or f"slurm-{job}"
+        nodelist = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]  # (a step may run on some nodes)
+        out["RDZV_ENDPOINT"] = env.get("RDZV_ENDPOINT") or f"{hosts(nodelist)}:{port}"
+        out["RDZV_ID"] = env.get("RDZV_ID") or f"slurm-{job}.{env.get('SLURM_STEP_ID', '0')}"
+        # The node that holds global rank 0 speaks for the job; the workers of the others log errors only. The
+        # rendezvous, not SLURM_NODEID, decides which node that is: the workers read torchrun's GROUP_RANK.
+        out["TITANLITE_FIRST_NODE_LOGS"] = "1"
     if not env.get("NGPU") and (_whole(env, "SLURM_GPUS_ON_NODE") or 0) > 0:
         out["NGPU"] = env["SLURM_GPUS_ON_NODE"]
-    if out["TITANLITE_NODE_ID"] != "0":  # the first node's rank 0 speaks for the job; the others show errors
-        out |= {"TITANLITE_LOG_LEVEL": env.get("TITANLITE_LOG_LEVEL", "ERROR"), "LOGLEVEL": "ERROR"}
+    if out["TITANLITE_NODE_ID"] != "0":  # torchrun's own agent lines: errors only, except on SLURM's first node
+        out["LOGLEVEL"] = "ERROR"
     return out
 
 
