@@ -292,10 +292,11 @@ def test_every_package_is_in_the_wheel():
 
 def test_each_parallelism_is_applied_in_its_own_module():
     """parallel/ holds one module per kind of parallelism: only parallel/fsdp.py calls fully_shard, only the
-    family's plan (models/) and parallel/ apply tensor parallelism, and nothing outside parallel/ builds a mesh."""
+    family's plan (models/: the decoder's, the transformers backend's) and parallel/ apply tensor parallelism, and
+    nothing outside parallel/ builds a mesh."""
     owners = {
         "fully_shard(": {"titanlite/parallel/fsdp.py"},
-        "parallelize_module(": {"titanlite/models/decoder_tp.py"},
+        "parallelize_module(": {"titanlite/models/decoder_tp.py", "titanlite/models/transformers_backend/tp.py"},
         "init_device_mesh(": {"titanlite/parallel/dims.py"},
     }
     for path in sorted((ROOT / "titanlite").rglob("*.py")):

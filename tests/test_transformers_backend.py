@@ -164,7 +164,12 @@ def test_a_folder_no_family_implements_goes_to_the_backend_and_a_config_alone_is
 
 
 REFUSALS = [
-    (["--parallelism.tensor_parallel_degree", "2"], r"tensor_parallel_degree = 2: tensor parallelism is not "),
+    (
+        ["--parallelism.tensor_parallel_degree", "2"],
+        r"tensor_parallel_degree = 2: tensor parallelism of model.name = "
+        r"'transformers' \(phi3\) follows its config's base_model_tp_plan, which has no sequence parallelism .* set "
+        r"parallelism.enable_sequence_parallel = false",
+    ),
     (["--parallelism.context_parallel_degree", "2"], r"context parallelism is not available .* native families"),
     (
         ["--lora.enable", "true", "--lora.base_dtype", "nf4"],
@@ -282,12 +287,13 @@ def test_packing_is_refused_for_layers_that_carry_state_and_bad_folders_in_one_l
     backend = ["--model.name", "transformers"]
     with pytest.raises(ConfigError, match=r"qwen3_5_text's linear attention layers carry their state"):
         _shape([*backend, "--model.attention", "block_causal"], root=tmp_path, folder=qwen3_5)
+    deepseek = config_folder(tmp_path, "deepseek_v32")
     with pytest.raises(ConfigError, match=r"deepseek_v32's sparse attention indexer chooses its keys across"):
-        _shape(
-            [*backend, "--model.attention", "block_causal"],
-            root=tmp_path,
-            folder=config_folder(tmp_path, "deepseek_v32"),
-        )
+        _shape([*backend, "--model.attention", "block_causal"], root=tmp_path, folder=deepseek)
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"]
+    with pytest.raises(ConfigError, match=r"base_model_tp_plan, whose entry layers.\*.self_attn.kv_a_proj_with_mqa: "
+                       r"'mla_kv_a_proj' the backend does not apply"):  # fmt: skip
+        _shape([*backend, *tp], root=tmp_path, folder=deepseek)
     vit = transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96)
     for name, edit, message in (
         ("remote", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, r"auto_map: its model needs code from"),
@@ -310,13 +316,21 @@ LORA = {  # name -> its [lora] overrides (peft's names of the model's own linear
     "qwen3_5_lora": ["--lora.targets", "all"],  # Gated DeltaNet's in_proj_qkv, in_proj_z, ... and attention's
 }
 TRAINED = ["phi3", "gemma3", "qwen3_5", "olmo3", "llama4_text", "deepseek_v32", "qwen3_5_moe", "olmo3_config", *LORA]
+# *_tp: TP(2) x FSDP(2) by the config's base_model_tp_plan (Phi-3's fused projections gathered, Gemma 3's per-head
+# q/k norms, Qwen3.5's Gated DeltaNet whole on each rank; LoRA's adapters split with their projections); the embedding
+# and output split over the vocabulary
+TP = {
+    f"{name}_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"]
+    for name in ("phi3", "gemma3", "qwen3_5", "phi3_lora")
+}
 EXPORTED = ["gemma3", "qwen3_5"]
 X = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
 
 
 def _argv(root, name, run, *extra):
-    lora = ["--lora.enable", "true", "--lora.rank", "4", "--optimizer.lr", "1e-2", *LORA[name]] if name in LORA else []
-    base = root / name.removesuffix("_lora")
+    adapters = LORA.get(name.removesuffix("_tp"))
+    lora = ["--lora.enable", "true", "--lora.rank", "4", "--optimizer.lr", "1e-2", *adapters] if adapters else []
+    base = root / name.removesuffix("_tp").removesuffix("_lora")
     return tiny_argv(
         root / run / name, "--model.flavor", "hf", "--checkpoint.initial_load_path", str(base), *lora,
         "--training.steps", "4", "--training.global_batch_size", "4", "--training.local_batch_size", "1",
@@ -341,7 +355,11 @@ def _train_each(root, run: str, names, replicate: int = 1):
             t = make_trainer(_argv(root, name, "recomputed", *extra))
             out[f"{name}-recomputed"] = {"losses": t.train(), "validation": t.val_losses}
     for name in names:
-        extra = ["--parallelism.data_parallel_replicate_degree", str(replicate)]
+        extra = [
+            "--parallelism.data_parallel_replicate_degree",
+            "1" if name in TP else str(replicate),
+            *TP.get(name, []),
+        ]
         if name in EXPORTED:
             extra += ["--checkpoint.last_save_in_hf", "true"]
         if name.endswith("_config"):
@@ -351,7 +369,8 @@ def _train_each(root, run: str, names, replicate: int = 1):
         t = make_trainer(_argv(root, name, run, *extra))
         losses = t.train()
         with torch.no_grad():
-            out[name] = {"losses": losses, "logits": t.model.eval()(X)}
+            logits = t.model.eval()(X)  # (split over the vocabulary under TP's loss parallelism)
+            out[name] = {"losses": losses, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits}
     return out
 
 
@@ -375,8 +394,8 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
         config_folder(tmp_path, name[: -len("_config")]) if name.endswith("_config") else hf_folder(tmp_path, name)
     one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
     fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", TRAINED)[0]
-    hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora"],
-                           2)[0]  # fmt: skip
+    four = ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora", *TP]  # HSDP(2x2), and TP(2) x FSDP(2)
+    hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", four, 2)[0]
     resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "qwen3_5_lora"])[0]
     for name in TRAINED:
         ref = one[name]["losses"]
@@ -385,6 +404,10 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
             if name in run:
                 assert all(abs(run[name]["losses"][s] - ref[s]) < 1e-5 for s in ref), (name, run[name], ref)
         assert (fsdp2[name]["logits"] - one[name]["logits"]).abs().max() < 1e-4, name
+    for name in TP:  # tensor parallelism composed with FSDP: one process's losses and logits
+        ref = one[name.removesuffix("_tp")]
+        assert all(abs(hsdp[name]["losses"][s] - ref["losses"][s]) < 1e-5 for s in ref["losses"]), (name, hsdp[name])
+        assert (hsdp[name]["logits"] - ref["logits"]).abs().max() < 1e-4, name
     for name in RECOMPUTED:
         assert one[f"{name}-recomputed"]["losses"] == pytest.approx(one[name]["losses"], abs=1e-6), name
     assert sorted(one["olmo3-recomputed"]["validation"]) == [2, 4]

@@ -8,8 +8,10 @@ import warnings
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanlite.models.family import BACKEND
 from titanlite.models.hf_config import hf_folder
 from titanlite.models.registry import tp_plan
+from titanlite.models.transformers_backend.tp import parallelize_backend
 
 
 def problem(cfg, dims, args, device_type: str | None = None, inference: bool = False) -> str | None:
@@ -76,7 +78,8 @@ def apply_tp(
     """Tensor parallelism over tp_mesh by the family's plan (models/<family>/); call after [float8]'s conversion and
     before AC, compile and FSDP. float8_tensorwise: the float8 linears take torchao's float8 styles, which cast
     activations to float8 before their all-gathers."""
-    tp_plan(family)(
+    plan = parallelize_backend if getattr(model.args, "family", "") == BACKEND else tp_plan(family)
+    plan(
         model,
         tp_mesh,
         sequence_parallel=sequence_parallel,

@@ -46,6 +46,7 @@ class BackendArgs(ModelArgs):
     hf_weights: bool = False  # the folder holds every weight (no initialisation from the seed is needed)
     frozen: tuple[str, ...] = ()  # name parts of parameters no loss reaches (a sparse-attention indexer): not trained
     linears: tuple[str, ...] = ()  # the decoder layers' trained nn.Linear modules (model.layers.0.self_attn.q_proj)
+    tp_plan: dict = field(default_factory=dict)  # the config class's base_model_tp_plan (tensor parallelism: tp.py)
 
     @property
     def model_type(self) -> str:
@@ -197,6 +198,7 @@ def backend_args(config_folder, vocab_size: int, seq_len: int, attention: str, t
         hf_weights=any(Path(config_folder).expanduser().glob("*.safetensors")),
         frozen=frozen,
         linears=_layer_linears(model, frozen),
+        tp_plan=dict(getattr(text, "base_model_tp_plan", None) or {}),
     )
 
 

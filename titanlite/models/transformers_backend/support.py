@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from titanlite.models.family import BACKEND
+from titanlite.models.transformers_backend.tp import unsupported_style
 
 NATIVE = "the native families (llama3, qwen3, qwen2, mistral, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gpt_oss)"
 
@@ -21,6 +22,10 @@ def problem(cfg, dims, args, inference: bool = False) -> str | None:
     model = f"model.name = {BACKEND!r} ({args.model_type})"
     for attr, key, what in PARALLEL:
         degree = getattr(dims, attr, 1)
+        if degree > 1 and attr == "tp" and args.tp_plan:
+            if why := _tp_problem(cfg, args, inference):
+                return f"{key} = {degree}: {what} of {model} follows its config's base_model_tp_plan, {why}"
+            continue
         if degree > 1:
             return (
                 f"{key} = {degree}: {what} is not available for {model}; it is in {NATIVE}; the backend shards with "
@@ -52,5 +57,21 @@ def problem(cfg, dims, args, inference: bool = False) -> str | None:
             f"model.attention = 'block_causal': {args.model_type}'s sparse attention indexer chooses its keys across "
             "the packed documents of a row (index_topk), so a packed row is not each document alone; use "
             "model.attention = 'causal'"
+        )
+    return None
+
+
+def _tp_problem(cfg, args, inference: bool) -> str | None:
+    """Why the backend cannot split this model over tp by its base_model_tp_plan (tp.py), or None."""
+    if style := unsupported_style(args.tp_plan):
+        return (
+            f"whose entry {style} the backend does not apply (it applies colwise, rowwise, colwise_gather_output, "
+            f"rowwise_split_input and the q/k norms' replicated_with_grad_allreduce); the native families split "
+            f"MoE and latent-attention models: {NATIVE}"
+        )
+    if cfg.parallelism.enable_sequence_parallel and not inference:
+        return (
+            "which has no sequence parallelism (transformers' layers add their residuals on whole tensors); set "
+            "parallelism.enable_sequence_parallel = false"
         )
     return None

@@ -1,0 +1,83 @@
+"""Tensor parallelism of a transformers-backend model by its own config's `base_model_tp_plan` (the plan
+transformers' own `tp_plan="auto"` reads), over the "tp" mesh, before activation checkpointing, compile and FSDP.
+
+The decoder layers' projections take the plan's styles, translated to torch's: `colwise` and `rowwise` (Megatron's
+pair: each rank a part of the heads or hidden features, one reduction per attention and MLP), `colwise_gather_output`
+and `rowwise_split_input` (the output gathered, the input split again: Phi-3's fused projections, Qwen3.5's Gated
+DeltaNet, whose own computation then runs whole on every rank), and `replicated_with_grad_allreduce` for the
+per-head q/k norms (their weight whole on every rank, their gradient summed over tp: torch's SequenceParallel over
+the head dimension, as the native families do). The embedding and the output projection are split over the
+vocabulary as in the native families (loss parallelism keeps the logits split). Every other parameter (norms, a
+convolution's weights) stays whole and is computed alike on every tp rank. A plan style outside these (an MoE's
+packed experts, MLA's latent projection) is refused before launch (`unsupported_style`); without sequence
+parallelism (transformers' layers add their residuals on whole tensors).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+from titanlite.models.decoder_tp import VocabParallelOutput
+
+LAYER = "layers.*."
+STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+}
+NORMS = ("q_norm", "k_norm")  # the one place replicated_with_grad_allreduce is read as "over each rank's heads"
+
+
+def layer_plan(plan: dict) -> dict[str, str]:
+    """The plan's styles of a decoder layer's modules, by their names inside the layer."""
+    return {k[len(LAYER) :]: v for k, v in (plan or {}).items() if k.startswith(LAYER)}
+
+
+def unsupported_style(plan: dict) -> str | None:
+    """'<module>: <style>' of the first plan entry the backend cannot apply, or None ({}: no plan, also None)."""
+    for name, style in layer_plan(plan).items():
+        if style not in STYLES or (style == "replicated_with_grad_allreduce" and not name.endswith(NORMS)):
+            return f"{LAYER}{name}: {style!r}"
+    other = [k for k in (plan or {}) if not k.startswith(LAYER)]
+    return f"{other[0]}: {plan[other[0]]!r}" if other else None
+
+
+def parallelize_backend(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    inference: bool = False,
+    float8_tensorwise: bool = False,
+) -> None:
+    """Apply the model's base_model_tp_plan to a BackendModel in place (on the meta device); sequence_parallel
+    must be False (refused before launch: support.problem)."""
+    assert not sequence_parallel and not float8_tensorwise, "refused by transformers_backend.support.problem"
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": VocabParallelOutput(Replicate(), loss_parallel),
+        },
+    )
+    styles = layer_plan(model.hf.config.base_model_tp_plan)
+    for layer in model.model.layers:
+        present = {name: STYLES[style]() for name, style in styles.items() if _has(layer, name)}
+        parallelize_module(layer, tp_mesh, present)
+    if model.args.tie_embeddings:  # both split over the vocabulary rows: one parameter again
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
