@@ -392,6 +392,10 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     by the export command) load in transformers with no missing key and the trained model's logits."""
     for name in (n for n in TRAINED if n not in LORA):
         config_folder(tmp_path, name[: -len("_config")]) if name.endswith("_config") else hf_folder(tmp_path, name)
+    from safetensors.torch import load_file, save_file
+
+    mtp = {"mtp.fc.weight": torch.randn(8, 16), "mtp.norm.weight": torch.randn(16)}  # Qwen3.5's MTP head: untrained
+    save_file(mtp, str(tmp_path / "qwen3_5" / "mtp.safetensors"))
     one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
     fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", TRAINED)[0]
     four = ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora", *TP]  # HSDP(2x2), and TP(2) x FSDP(2)
@@ -423,6 +427,11 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     ]:
         back, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+        if name == "qwen3_5":  # the MTP head and the vision tower the class sets aside, carried unchanged
+            index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+            assert any(k.startswith("model.visual.") for k in index), sorted(index)[:5]
+            carried = load_file(str(folder / index["mtp.fc.weight"]))
+            assert all(torch.equal(carried[k], mtp[k]) for k in mtp)
         with torch.no_grad():
             assert (back.eval()(input_ids=X).logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name
     _check_lora_exports(tmp_path, fsdp2)

@@ -22,10 +22,11 @@ def backend_from_saved(saved_args: dict) -> BackendModel:
 
 
 def export_backend(step, prefix: str, out, saved_args: dict, dtype: torch.dtype | None, tokenizer,
-                   max_file_bytes: int) -> int:  # fmt: skip
+                   max_file_bytes: int, started_from: str = "") -> int:  # fmt: skip
     """Write step folder `step`'s model (its DCP state under `prefix`) as a HuggingFace folder `out`, with the run's
-    tokenizer files; the number of tensors in the model's state."""
+    tokenizer files and the tensors of the folder it `started_from` that it does not train; the tensors written."""
     model = backend_from_saved(saved_args)
     state = model.state_dict()
     safe_dcp_load({"model": state} if prefix else state, step, no_dist=True)
-    return save_hf_sharded(model, out, dtype or next(iter(state.values())).dtype, tokenizer, max_file_bytes)
+    dtype = dtype or next(iter(state.values())).dtype
+    return save_hf_sharded(model, out, dtype, tokenizer, max_file_bytes, started_from=started_from)

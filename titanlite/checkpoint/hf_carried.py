@@ -6,6 +6,10 @@ files (the index, and config.json's num_nextn_predict_layers, updated):
   names from the HF folder the run started from, so that vLLM and SGLang keep their speculative-decoding heads;
 - the empty tensors of parts config.json sizes to zero (n_shared_experts = 0), which transformers builds and saves.
 
+A transformers-backend model's export (carry_backend_tensors) carries the folder's tensors that its class sets aside
+when it loads (`_keys_to_ignore_on_load_unexpected`: Qwen3.5's and Qwen3-Next's `mtp.*`, DeepSeek's and GLM's
+layers past the model's, a multimodal folder's `model.visual.*`), under their own names.
+
 The MTP layers are read when the export is written, from checkpoint.initial_load_path (through titanlite
 checkpoints that started from one). Where that folder is not there, or is not the model the checkpoint was trained
 from, the export goes on without them, says so, and its config.json says num_nextn_predict_layers = 0.
@@ -178,4 +182,51 @@ def _append_files(out: pathlib.Path, groups: list[dict], read) -> None:
         size += sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
     index["metadata"] = {**index.get("metadata", {}), "total_size": size}
     index["weight_map"] = weight_map
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def carry_backend_tensors(out: pathlib.Path, set_aside: list[str], initial_load_path: str, max_file_bytes: int) -> int:
+    """Add to a transformers-backend export `out` the tensors of the folder the run started from whose names match
+    the class's set_aside patterns (re.search) and that the export lacks; returns how many were added."""
+    folder, why = _source_folder(initial_load_path)
+    if folder is None or not set_aside:
+        if why:
+            logger.warning(
+                f"{shown(out)}: tensors of the starting folder that the model does not train are not in it: {why}"
+            )
+        return 0
+    _ensure_index(out)
+    have = set(json.loads((out / INDEX).read_text())["weight_map"])
+    found: dict[str, str] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        found.update({n: file.name for n in _header(file) if n not in have and any(re.search(p, n) for p in set_aside)})
+    if not found:
+        return 0
+    sizes = {n: b for file in sorted(set(found.values())) for n, b in _header(folder / file).items() if n in found}
+    groups, used = [], 0
+    for name in sorted(found):
+        if not groups or (used and used + sizes[name] > max_file_bytes):
+            groups.append({})
+            used = 0
+        groups[-1][name] = None
+        used += sizes[name]
+    _append_files(out, groups, lambda names: _read(folder, found, {}, names))
+    logger.info(
+        f"{shown(out)}: carried {len(found):,} tensors of {folder} that the model does not train unchanged (e.g. "
+        f"{sorted(found)[0]}; {', '.join(set_aside)})"
+    )
+    return len(found)
+
+
+def _ensure_index(out: pathlib.Path) -> None:
+    """A folder that save_pretrained wrote as one model.safetensors: as model-00001-of-00001 with an index."""
+    single = out / "model.safetensors"
+    if (out / INDEX).is_file() or not single.is_file():
+        return
+    sizes = _header(single)
+    single.rename(out / "model-00001-of-00001.safetensors")
+    index = {
+        "metadata": {"total_size": sum(sizes.values())},
+        "weight_map": dict.fromkeys(sizes, "model-00001-of-00001.safetensors"),
+    }
     (out / INDEX).write_text(json.dumps(index, indent=2))

@@ -25,7 +25,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from titanlite.checkpoint.consolidated import read_in_this_process
 from titanlite.checkpoint.export_target import shown
-from titanlite.checkpoint.hf_carried import carry_into_export
+from titanlite.checkpoint.hf_carried import carry_backend_tensors, carry_into_export
 from titanlite.checkpoint.hf_folder import (
     INDEX,
     check_hf_weights,
@@ -250,6 +250,8 @@ def save_hf_sharded(
         written = model.save_hf_folder(out, dtype, max_shard_size=max_file_bytes)
         if not dist.is_initialized() or dist.get_rank() == 0:
             copy_tokenizer_files(tokenizer, pathlib.Path(out))
+            set_aside = list(getattr(model.hf, "_keys_to_ignore_on_load_unexpected", None) or [])
+            written += carry_backend_tensors(pathlib.Path(out), set_aside, started_from, max_file_bytes)
         return written
     safetensors_module()
     out = pathlib.Path(out)

@@ -85,7 +85,7 @@ def export_to_hf(checkpoint: Path, output: Path, dtype: str | None, max_file_byt
         tokenizer, cast = build_tokenizer(cfg.model.tokenizer_path), TORCH_DTYPES[dtype] if dtype else None
         return write_atomically(
             output, True, lambda tmp: export_backend(step, model_prefix(metadata), tmp, saved_args, cast, tokenizer,
-                                                     max_file_bytes)
+                                                     max_file_bytes, cfg.checkpoint.initial_load_path)
         )  # fmt: skip
     try:
         args = args_from_dict(saved_args)

@@ -158,8 +158,9 @@ def load_folder(hf: nn.Module, folder) -> None:
     if info.unexpected_keys and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(
             f"{folder}: {len(info.unexpected_keys)} tensors that the text model does not hold are left out (e.g. "
-            f"{sorted(info.unexpected_keys)[0]}; a vision tower or multi-token-prediction layers): not trained, not "
-            "exported"
+            f"{sorted(info.unexpected_keys)[0]}; a vision tower or multi-token-prediction layers): not trained; HF "
+            "exports carry those the model's class sets aside on load (its MTP layers, Qwen3.5's vision tower) "
+            "unchanged"
         )
     init_buffers(hf)
 
