@@ -72,7 +72,7 @@ def test_memory_is_total_over_shard_degree():
 def test_data_loader_benchmark_prints_the_ratio():
     out = _bench(
         "data_loader.py", "--seq-len", "64", "--dps", "1", "4", "--vocab", "400", "--reps", "1", "--build-copies", "1",
-        "--rounds", "2", "--steps", "2",
+        "--rounds", "2", "--steps", "2", "--remote-copies", "1",
     )  # fmt: skip
     assert re.search(r"per-rank cost ratio dp4/dp1: [\d.]+ \(median of 2 interleaved rounds", out), out
     assert re.search(r"moto/local time per step: x[\d.]+ .*fetched [\d.]+ MiB in \d+ ranged reads", out), out

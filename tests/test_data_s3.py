@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import torch
 
 from helpers import make_trainer, run_distributed, tiny_argv
 
@@ -92,12 +93,14 @@ def test_an_outage_while_reading_stops_after_the_retries_with_one_message_naming
     _layout_of(t).read(1000)
     assert calls == {"cat_ranges": 1, "cat_file": 0}, calls
     s3.down.touch()  # the endpoint goes down once the job runs
-    try:
+    try:  # (in this process: its process group is destroyed at the end, for the tests after it)
         with pytest.raises(DataReadError, match=r"reading s3://titanlite-test/data-\w+/outage/tokens-\d+.bin "
                            r"\(bytes \d+-\d+\) failed 3 times.*the job stops rather than skip data"):  # fmt: skip
             t.train()
     finally:
         s3.up()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _docs_losses(tmp, dataset, run):

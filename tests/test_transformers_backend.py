@@ -321,7 +321,7 @@ TRAINED = ["phi3", "gemma3", "qwen3_5", "olmo3", "llama4_text", "deepseek_v32", 
 # and output split over the vocabulary
 TP = {
     f"{name}_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"]
-    for name in ("phi3", "gemma3", "qwen3_5", "phi3_lora")
+    for name in ("phi3", "gemma3", "phi3_lora")
 }
 EXPORTED = ["gemma3", "qwen3_5"]
 X = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -400,7 +400,7 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", TRAINED)[0]
     four = ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora", *TP]  # HSDP(2x2), and TP(2) x FSDP(2)
     hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", four, 2)[0]
-    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "qwen3_5_lora"])[0]
+    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "phi3_lora"])[0]
     for name in TRAINED:
         ref = one[name]["losses"]
         assert sorted(ref) == [1, 2, 3, 4] and ref[4] < ref[1], name
