@@ -32,9 +32,9 @@ def _whole(env: Mapping[str, str], key: str) -> int | None:
 
 
 def launch_settings(env: Mapping[str, str], hosts: Callable[[str], str] = first_host) -> dict[str, str]:
-    """The launcher's environment for this SLURM step: NNODES, RDZV_ENDPOINT, RDZV_ID, the node's number and, on
-    every node but the first, console logs of errors only (one copy of each line in the job's output).
-    ConfigError naming the variable when the step cannot train as one job."""
+    """The launcher's environment for this SLURM step: NNODES, RDZV_ENDPOINT, RDZV_ID, the node's number, NGPU from
+    the step's GPUs, and TITANLITE_FIRST_NODE_LOGS (the workers off global rank 0's node log errors only: one copy of
+    each line in the job's output). ConfigError naming the variable when the step cannot train as one job."""
     job, nodes = env["SLURM_JOB_ID"], _whole(env, "SLURM_JOB_NUM_NODES") or _whole(env, "SLURM_NNODES") or 1
     if nodes > 1 and "SLURM_STEP_ID" not in env:
         raise ConfigError(
