@@ -272,7 +272,7 @@ def _compiled_against_eager(tmp, runs):
     pass. Compiled runs go twice over one inductor cache (cold, then warm after a dynamo reset)."""
     import os
 
-    from titanlite.loss import loss_parallel_context, microbatch_loss
+    from titanlite.loss import loss_parallel_context
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{tmp}/inductor_cache"
     out = {}
@@ -283,7 +283,7 @@ def _compiled_against_eager(tmp, runs):
             losses = t.train()
             for mb in t.dataloader.next_step().microbatches:
                 with loss_parallel_context(t.loss_parallel):
-                    loss, _ = microbatch_loss(t.model, mb, t.device, t.loss_fn)
+                    loss, _ = t.objective(t.model, mb, t.device)
                     loss.backward()
             grads = {n: p.grad.full_tensor() for n, p in t.model.named_parameters()}
             out[f"{name}_{cache}"] = (losses, grads)

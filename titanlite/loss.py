@@ -54,3 +54,24 @@ def microbatch_loss(
     if isinstance(loss, DTensor):  # from vocabulary-split logits (loss parallel): the same value on every tp rank
         loss = loss.full_tensor()
     return loss, labels
+
+
+class TokenLoss:
+    """The token cross-entropy as the trainer's and validator's objective: the summed loss of a microbatch, what it
+    counts for (its counted labels), and no statistics of its own (preference/objective.py is the other one)."""
+
+    def __init__(self, loss_fn=summed_cross_entropy):
+        self.loss_fn = loss_fn
+
+    def begin(self) -> None:
+        """(nothing to reset)"""
+
+    def __call__(self, model: torch.nn.Module, microbatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy, labels on the device) of one microbatch."""
+        return microbatch_loss(model, microbatch, device, self.loss_fn)
+
+    counted = staticmethod(counted_labels)
+
+    def report(self) -> None:
+        """(no statistics)"""
+        return None

@@ -20,6 +20,7 @@ from titanlite.checkpoint.lora_io import check_peft_folder
 from titanlite.checkpoint.remote_inputs import stage_remote_inputs
 from titanlite.checkpoint.resume import check_resume
 from titanlite.config import JobConfig
+from titanlite.config.dpo import dpo_problem
 from titanlite.data.build import check_data
 from titanlite.data.tokenizers import build_tokenizer
 from titanlite.dtypes import dtype_bytes
@@ -80,7 +81,7 @@ def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
 def check_adapters_and_optimizer(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device_type: str | None):
     """ConfigError with the first problem of Muon, LoRA (and its adapter folder) or QLoRA with this job (device_type
     None: the dry run, which does not ask for torchao)."""
-    for problem in (muon_problem(cfg), lora_problem(cfg, args)):
+    for problem in (muon_problem(cfg), lora_problem(cfg, args), dpo_problem(cfg)):
         if problem:
             raise ConfigError(problem)
     if cfg.lora.enable and cfg.lora.initial_adapter_path:

@@ -20,7 +20,7 @@ SYNCED = "synced"  # DiLoCo's outer step set the global weights
 
 class RunState:
     """The run's model parts, optimizer, lr schedule, data loader, DiLoCo outer state (None without DiLoCo), step
-    (optimizer steps taken) and tokens seen (counted labels trained on)."""
+    (optimizer steps taken), tokens seen (counted labels trained on) and a DPO run's precomputed reference tables."""
 
     def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler, dataloader, outer=None):
         self.model = model
@@ -30,6 +30,7 @@ class RunState:
         self.outer = outer
         self.step = 0
         self.tokens_seen = 0
+        self.reference_logps: dict[str, torch.Tensor] = {}  # [dpo] precomputed reference, per loader (preference/)
         self._listeners: list[Callable[[str], None]] = []
 
     def on_weights_replaced(self, listener: Callable[[str], None]) -> None:

@@ -19,7 +19,7 @@ from titanlite.config.compare import check_same_config, given_settings
 from titanlite.data.build import build_loader
 from titanlite.data.counted import no_counted_tokens
 from titanlite.errors import NonFiniteLossError
-from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss, training_loss
+from titanlite.loss import TokenLoss, counted_labels, loss_parallel_context, training_loss
 from titanlite.model_builder import build_model, compiled_loss
 from titanlite.models.nf4 import materialize_nf4
 from titanlite.models.rope_attention import describe_attention
@@ -34,6 +34,7 @@ from titanlite.parallel.fsdp import describe, gradient_sync_plan, microbatch_syn
 from titanlite.parallel.ft import Next, data_slice, outer_optimizer, replica_groups
 from titanlite.parallel.pp import Pipeline
 from titanlite.plan import locked_folders, validate_for_world
+from titanlite.preference.objective import build_objective, fill_reference
 from titanlite.run_state import OPTIMIZER_STEP, RunState
 from titanlite.runtime.distributed import gather_objects, init_distributed, pick_device, set_seed, world_size_from_env
 from titanlite.runtime.exit_status import record_end
@@ -92,7 +93,7 @@ class Trainer:
         if sync_line:
             logger.info(sync_line)
         # With [compile] on (inductor only: the loss has no graph breaks to hide), the loss is compiled too.
-        self.loss_fn = training_loss(compiled_loss(cfg, self.dims.tp))
+        loss_fn = training_loss(compiled_loss(cfg, self.dims.tp))
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.enable_loss_parallel
         self.balance = LoadBalance(model, cfg.moe, self.model_args, self.dims, self.global_batch_size)
 
@@ -100,6 +101,15 @@ class Trainer:
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
         # DiLoCo's global weights and outer momentum (None without): checkpointed with the optimizer
         self.state = RunState(model, optimizer, lr_scheduler, dataloader, outer_optimizer(cfg, model))
+        # the loss of a microbatch: token cross-entropy, or [dpo]'s on pairs (with its reference model)
+        self.objective, validation_objective = TokenLoss(loss_fn), TokenLoss()
+        if cfg.dpo.enable:
+            held_out = self.validator.loader.layouts if self.validator is not None else None
+            self.objective, validation_objective = build_objective(
+                cfg, self.state, self.model_args, self.meshes, self.device, self.dims.tp, held_out
+            )
+        if self.validator is not None:
+            self.validator.objective = validation_objective
         listen_for_new_weights(self.state, model, cfg.float8)  # float8 all-gathers: scales from new weights
         # Step at which the loss first went non-finite (-1: never), kept on the device: no sync per step.
         self._first_bad_step = torch.tensor(-1, device=self.device)
@@ -117,6 +127,10 @@ class Trainer:
             cfg, self.state, self.device, data_identity=data_identity(self.tokenizer, dataloader)
         )
         self.checkpointer.load()  # resume (any topology) or initial weights; sets the step on resume
+        if cfg.dpo.enable:  # dpo.reference = 'precomputed' on a fresh start: from the initial weights, before step 1
+            dp_rank = self.dims.dp_rank(self.env.rank)
+            objectives = [self.objective] + ([self.validator.objective] if self.validator is not None else [])
+            fill_reference(objectives, model, cfg, dp_rank, self.dims.dp_degree, self.dims.tp, self.device)
         # the policy around each step: the groups of a fault-tolerant job (sync or DiLoCo); one that does nothing
         self.replicas = replica_groups(
             cfg, self.state, self.env, checkpointer=self.checkpointer, hang=self.hang, check_finite=self.check_finite,
@@ -219,6 +233,7 @@ class Trainer:
         # (with fault tolerance: averaged over the live replica groups too)
         scale = self.dims.dp_degree * self.dims.cp * self.replicas.participants / global_tokens
         loss_sum = torch.zeros((), device=self.device)
+        self.objective.begin()
         for i, mb in enumerate(microbatches):
             self.hang.phase(f"step {self.step}: forward/backward, microbatch {i + 1} of {len(microbatches)}")
             last = i == len(microbatches) - 1
@@ -229,7 +244,7 @@ class Trainer:
                     token_loss_sum = self.pipeline.step(mb, scale, self.balance.aux_scale, all_reduce=all_reduce)
                     self.balance.aux_term()  # (only its value is kept here, for the log)
                 else:
-                    token_loss_sum, _ = microbatch_loss(self.model, mb, self.device, self.loss_fn)
+                    token_loss_sum, _ = self.objective(self.model, mb, self.device)
                     (token_loss_sum * scale + self.balance.aux_term()).backward()
             loss_sum += token_loss_sum.detach()
         self.replicas.average_gradients(self.model.parameters())
@@ -325,8 +340,8 @@ class Trainer:
             self.check_finite()
             loss = self.global_loss(out)
             self.losses[step] = loss
-            moe, replicas = self.balance.report(out.moe), self.replicas.label()
-            self.metrics.log(self.metrics.collect(step, loss, out.grad_norm.item(), lr, moe, replicas))
+            moe, replicas, pairs = self.balance.report(out.moe), self.replicas.label(), self.objective.report()
+            self.metrics.log(self.metrics.collect(step, loss, out.grad_norm.item(), lr, moe, replicas, pairs))
         if self.validator is not None and self.validator.due(step, cfg.training.steps):
             self.hang.phase(f"validation at step {step}")
             self.validate()
@@ -371,7 +386,7 @@ class Trainer:
         loss_of = self.pipeline.evaluate if self.pipeline is not None else None
         r = self.validator.evaluate(self.model, self.device, loss_of)
         self.val_losses[self.step] = r.loss
-        self.metrics.log_validation(self.step, r.loss, r.perplexity, r.tokens, r.seconds)
+        self.metrics.log_validation(self.step, r.loss, r.perplexity, r.tokens, r.seconds, r.pairs)
         self.metrics.exclude_time(r.seconds)
         return r.loss
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from titanlite.config import JobConfig
 from titanlite.data.counted import no_counted_tokens
 from titanlite.errors import ConfigError
-from titanlite.loss import counted_labels, loss_parallel_context, microbatch_loss
+from titanlite.loss import TokenLoss, loss_parallel_context
 from titanlite.models.eval_mode import eval_mode
 
 
@@ -25,6 +25,7 @@ class ValidationResult:
     tokens: int
     batches: int
     seconds: float
+    pairs: dict | None = None  # [dpo]: mean rewards, margin and reward accuracy on the held-out pairs
 
 
 class Validator:
@@ -43,6 +44,7 @@ class Validator:
         self.cp = getattr(p, "context_parallel_degree", 1)
         self.pp = getattr(p, "pipeline_parallel_degree", 1)
         self.loader = loader  # titanlite.data.build.build_loader(cfg, tokenizer, "validation", ...)
+        self.objective = TokenLoss()  # the trainer sets [dpo]'s (preference/objective.py)
         self._start = self.loader.state_dict()
 
     def due(self, step: int, last_step: int) -> bool:
@@ -78,15 +80,16 @@ class Validator:
 
     def _evaluate(self, model: torch.nn.Module, device: torch.device, loss_of) -> ValidationResult:
         t0 = time.perf_counter()
-        totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, valid tokens
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, valid tokens (pairs)
         batches = 0
+        self.objective.begin()
         for step in self._batches():
             batches += 1
             for mb in step.microbatches:
                 with loss_parallel_context(self.loss_parallel):
-                    loss_sum, labels = loss_of(mb) if loss_of else microbatch_loss(model, mb, device)
+                    loss_sum, labels = loss_of(mb) if loss_of else self.objective(model, mb, device)
                 totals[0] += loss_sum.double()
-                totals[1] += counted_labels(labels)
+                totals[1] += self.objective.counted(labels)
         if batches == 0:
             raise ConfigError(
                 "validation.steps = -1: the held-out data is shorter than one global batch "
@@ -98,6 +101,7 @@ class Validator:
             # its pp ranks all of the labels, and only the last stage's the loss
             div = [self.tp, self.tp * self.cp * self.pp]
             totals /= torch.tensor(div, dtype=totals.dtype, device=totals.device)
+        pairs = self.objective.report()
         loss_sum, tokens = totals.tolist()
         if tokens == 0:
             raise no_counted_tokens(self.loader, f"validation's {batches} global batch(es)", self.training)
@@ -108,4 +112,5 @@ class Validator:
             tokens=int(tokens),
             batches=batches,
             seconds=time.perf_counter() - t0,
+            pairs=pairs,
         )

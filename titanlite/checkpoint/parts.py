@@ -115,8 +115,8 @@ class SchedulerPart(Stateful):
 
 
 class TrainStatePart(Stateful):
-    """Step, tokens seen and the RNG states of `owner` (run_state.RunState, or any object with int attributes step
-    and tokens_seen).
+    """Step, tokens seen, the RNG states and the precomputed DPO reference tables of `owner` (run_state.RunState, or
+    any object with int attributes step and tokens_seen).
 
     Every rank has the same seed and draws no rank-specific random numbers, so these values are global.
     """
@@ -136,6 +136,7 @@ class TrainStatePart(Stateful):
             "rng_device_type": self.device.type,
             "rng_device": device_mod.get_rng_state().numpy().tobytes() if device_mod else b"",
             "rng_python": random.getstate(),
+            **{f"reference_logps.{k}": t for k, t in getattr(self.owner, "reference_logps", {}).items()},
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -146,3 +147,5 @@ class TrainStatePart(Stateful):
         if device_mod and state_dict["rng_device"] and state_dict["rng_device_type"] == self.device.type:
             device_mod.set_rng_state(torch.frombuffer(bytearray(state_dict["rng_device"]), dtype=torch.uint8))
         random.setstate(state_dict["rng_python"])
+        for key in getattr(self.owner, "reference_logps", {}):
+            self.owner.reference_logps[key] = state_dict[f"reference_logps.{key}"]

@@ -5,6 +5,7 @@ loaded from TOML and `--section.key value` overrides
 `python -m titanlite.config [--world-size N] [overrides]` checks a configuration (titanlite.cli.check_config).
 """
 
+from titanlite.config.dpo import DPO_LOSSES, REFERENCES, Dpo
 from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.fields import DTYPE_NAMES
 from titanlite.config.float8 import FLOAT8_RECIPES, Float8
@@ -42,6 +43,8 @@ __all__ = [
     "Checkpoint",
     "Compile",
     "Data",
+    "DPO_LOSSES",
+    "Dpo",
     "FLOAT8_RECIPES",
     "FaultTolerance",
     "Float8",
@@ -57,6 +60,7 @@ __all__ = [
     "Optimizer",
     "Parallelism",
     "Profiling",
+    "REFERENCES",
     "Training",
     "Validation",
     "gradient_sync_mode",

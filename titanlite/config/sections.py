@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from titanlite.config.dpo import Dpo
 from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.fields import DTYPE, POSITIVE, non_negative, one_of, positive, setting
 from titanlite.config.float8 import Float8
@@ -193,14 +194,26 @@ class Data:
     format: str = setting(
         "text",
         "text: documents packed back to back into windows; chat: conversations rendered with a chat template, "
-        "packed whole (never split) and padded, the loss on training.loss_on",
-        one_of("text", "chat"),
-        "text or chat",
+        "packed whole (never split) and padded, the loss on training.loss_on; preference: (prompt, chosen, "
+        "rejected) pairs for [dpo], each response after the shared prompt, one pair per two padded sequences",
+        one_of("text", "chat", "preference"),
+        "text, chat or preference",
     )
     messages_field: str = setting("messages", "chat: the record field with the list of {role, content} messages")
     prompt_field: str = setting("prompt", "chat: without a messages field, the user's prompt ...")
     response_field: str = setting("response", "chat: ... and the assistant's response")
     system_field: str = setting("system", "chat: an optional system message beside prompt/response")
+    chosen_field: str = setting("chosen", "preference: the preferred response (a string or assistant messages)")
+    rejected_field: str = setting("rejected", "preference: the dispreferred response (a string or messages)")
+    pair_truncation: str = setting(
+        "response",
+        "preference: a pair longer than training.seq_len + 1 tokens: response (cut both responses at their end; "
+        "a prompt that leaves no room for a response drops the pair), prompt (cut the prompt at its start so the "
+        "longer response fits; a response longer than that drops the pair) or drop; dropped pairs are counted in "
+        "the log",
+        one_of("response", "prompt", "drop"),
+        "response, prompt or drop",
+    )
     chat_template: str = setting(
         "",
         "chat: '' = the tokenizer's chat_template (tokenizer_config.json; the byte tokenizer: titanlite's), "
@@ -408,6 +421,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: MoE = field(default_factory=MoE)
     lora: Lora = field(default_factory=Lora)
+    dpo: Dpo = field(default_factory=Dpo)
     float8: Float8 = field(default_factory=Float8)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

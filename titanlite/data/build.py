@@ -19,15 +19,12 @@ import torch.distributed as dist
 
 from titanlite.config import JobConfig
 from titanlite.data.builtin_corpus import cache_setting, check_writable
-from titanlite.data.chat import ChatEncoder, TemplateRejected
-from titanlite.data.counted import check_counted_after_cut
 from titanlite.data.datasets_io import BUILTIN, DatasetSpec, has_split, is_local, open_table
-from titanlite.data.encoders import TextEncoder
+from titanlite.data.formats import check_first_record, make_encoder, make_layout
 from titanlite.data.loader import Prefetcher, StoreDataLoader
 from titanlite.data.packing import PackedDataLoader
 from titanlite.data.remote_store import RemoteTokenStore
-from titanlite.data.sequences import BLEND_PERIOD, PackedLayout, WindowLayout, blend_quota
-from titanlite.data.sources import DocumentSource
+from titanlite.data.sequences import BLEND_PERIOD, blend_quota
 from titanlite.data.store import MANIFEST, TokenStore, token_dtype
 from titanlite.data.store_build import (
     Progress,
@@ -216,35 +213,6 @@ def _check_prepared(path, spec: DatasetSpec, encoder, remote: tuple[int, int]) -
     return store
 
 
-def make_encoder(cfg: JobConfig, tokenizer, spec: DatasetSpec):
-    """How records become documents: plain text, or chat conversations with a loss mask (data.format)."""
-    if cfg.data.format == "chat":
-        return ChatEncoder(tokenizer, spec, cfg.data, cfg.training.loss_on)
-    return TextEncoder(tokenizer, spec)
-
-
-def _check_first_record(cfg: JobConfig, spec: DatasetSpec, encoder) -> None:
-    """Open the dataset and check its first record (its text field, or that it is a conversation)."""
-    if cfg.data.format == "text":
-        next(DocumentSource(spec).documents(), None)
-        return
-    source = DocumentSource(spec)
-    record = next(iter(source.records()), None)
-    if record is None:
-        raise ConfigError(f"{spec.key} = {spec.name!r} has no records")
-    conversation = encoder.conversation(record)
-    if isinstance(conversation, str):
-        raise ConfigError(
-            f"{spec.key} = {spec.name!r}, data.format = 'chat': its first record is not a "
-            f"conversation ({conversation}); fields: {sorted(record)}; set data.messages_field or "
-            f"data.prompt_field / data.response_field"
-        )
-    try:
-        encoder.encode(conversation, 0)  # renders with the template: a template that cannot fails here
-    except TemplateRejected:
-        pass  # a conversation the template refuses is skipped and counted by the build, as other bad records
-
-
 def check_data(cfg: JobConfig, tokenizer) -> None:
     """Every data check that needs no process group: names, splits, fields, existing stores (ConfigError)."""
     if is_url(cfg.data.store_folder):
@@ -258,8 +226,8 @@ def check_data(cfg: JobConfig, tokenizer) -> None:
         ("training", training_specs(cfg)),
         ("validation", validation_specs(cfg) if cfg.validation.enable else []),
     ):
-        if cfg.data.store == "none" and (len(specs) > 1 or cfg.data.format == "chat"):
-            what = f"a mixture of {len(specs)} datasets" if len(specs) > 1 else "chat data (data.format = 'chat')"
+        if cfg.data.store == "none" and (len(specs) > 1 or cfg.data.format != "text"):
+            what = f"a mixture of {len(specs)} datasets" if len(specs) > 1 else f"data.format = {cfg.data.format!r}"
             raise ConfigError(f"{which}.dataset: {what} needs token stores; valid: data.store = 'auto'")
         for spec, _ in specs:
             encoder = make_encoder(cfg, tokenizer, spec)
@@ -275,7 +243,7 @@ def check_data(cfg: JobConfig, tokenizer) -> None:
                     continue
                 if final.parent.exists():  # one that does not exist yet may be another machine's (a dry run)
                     check_writable(final.parent, stores_setting(cfg))
-            _check_first_record(cfg, spec, encoder)
+            check_first_record(cfg, spec, encoder)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -423,15 +391,7 @@ def build_loader(
         for spec, _ in specs:
             encoder = make_encoder(cfg, tokenizer, spec)
             store = open_or_build_store(spec, encoder, stores_folder(cfg), stores_setting(cfg), remote_sizes(cfg))
-            if cfg.data.format == "chat":
-                layout = PackedLayout(store, t.seq_len, pad_id=tokenizer.eos_id, shuffle_seed=seed, pack_seed=t.seed)
-                check_counted_after_cut(layout, spec, t)
-                logger.info(
-                    f"Packed {store.num_documents:,} conversations of {spec.name!r} into "
-                    f"{layout.num_windows:,} sequences of {t.seq_len + 1} tokens"
-                )
-            else:
-                layout = WindowLayout(store, t.seq_len, seed)
+            layout = make_layout(cfg, tokenizer, spec, store, seed)
             layouts.append(layout)
         loader = StoreDataLoader(
             layouts, [w for _, w in specs], names=[spec.name for spec, _ in specs], pin_memory=pin_memory, **shape

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from titanlite.data.builtin_chat import builtin_chat_path
 from titanlite.data.builtin_corpus import SPLITS as BUILTIN_SPLITS
 from titanlite.data.builtin_corpus import builtin_corpus_path
+from titanlite.data.builtin_preference import builtin_preference_path
 from titanlite.errors import ConfigError
 
 logger = logging.getLogger("titanlite")
@@ -46,10 +47,15 @@ SPLIT_WORDS = {
 }
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 TEXT_UNITS = {"line": "line", "paragraph": "paragraph", "file": "document"}  # .txt unit -> datasets' sample_by
-BUILTIN = {"builtin": builtin_corpus_path, "builtin_chat": builtin_chat_path}  # embedded datasets, by name
+BUILTIN = {  # embedded datasets, by name
+    "builtin": builtin_corpus_path,
+    "builtin_chat": builtin_chat_path,
+    "builtin_preference": builtin_preference_path,
+}
 VALID_DATASETS = (
-    "valid: 'builtin', 'builtin_chat', an existing .json/.jsonl/.txt/.text/.parquet/.arrow file, a folder of such "
-    "files or one written by datasets' save_to_disk, or a Hugging Face Hub dataset name such as 'owner/name'"
+    "valid: 'builtin', 'builtin_chat', 'builtin_preference', an existing .json/.jsonl/.txt/.text/.parquet/.arrow "
+    "file, a folder of such files or one written by datasets' save_to_disk, or a Hugging Face Hub dataset name "
+    "such as 'owner/name'"
 )
 
 

@@ -34,7 +34,7 @@ class Step:
     """One optimizer step's data on this rank, and what the whole global batch holds."""
 
     microbatches: list[Microbatch]
-    global_valid_tokens: int  # labels that count over the global batch (every rank, every microbatch)
+    global_valid_tokens: int  # labels that count over the global batch (every rank, every microbatch); pairs: pairs
     sequences_by_source: list[int]  # global sequences of this step from each source
     local_tokens: int  # this rank's input tokens that are not padding
     global_tokens: int  # the same over the global batch
@@ -101,7 +101,12 @@ class StoreDataLoader:
             valid += layout.counted_in(j0, j1)
             real += layout.real_tokens_in(j0, j1)
         local = sum(self.layouts[s].real_tokens(j) for s, j in mine)
-        return Step(to_microbatches(windows, self.local_batch_size, self.pin_memory), valid, counts, local, real)
+        pairs = getattr(self.layouts[0], "microbatches", None)  # preference pairs (data/pairs.py): 2 rows each
+        if pairs is not None:
+            batches = pairs(windows, [s for s, _ in mine], self.local_batch_size, self.pin_memory)
+        else:
+            batches = to_microbatches(windows, self.local_batch_size, self.pin_memory)
+        return Step(batches, valid, counts, local, real)
 
     def tokens_per_epoch(self) -> int:
         """Tokens in one pass over every source (padding excluded)."""

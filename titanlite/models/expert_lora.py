@@ -29,6 +29,8 @@ class _Factor(nn.Module):
 class GroupedAdapter(nn.Module):
     """The low-rank factors of one expert stack: lora_a.weight [experts, in, r], lora_b.weight [experts, r, out]."""
 
+    disabled = False  # True: the experts compute without it (models/lora.adapters_disabled)
+
     def __init__(self, n_experts: int, d_in: int, d_out: int, rank: int, scaling: float):
         super().__init__()
         self.lora_a, self.lora_b = _Factor(n_experts, d_in, rank), _Factor(n_experts, rank, d_out)

@@ -11,6 +11,7 @@ reduction) and a whole B. Every other parameter is frozen.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from titanlite.models.args import ModelArgs
 from titanlite.models.expert_lora import (
     EXPERT_ROLES,
+    GroupedAdapter,
     add_expert_adapters,
     expert_from_peft,
     expert_peft_key,
@@ -144,10 +146,27 @@ class LoRALinear(nn.Linear):
     lora_b: nn.Linear
     lora_dropout: nn.Module
     scaling: float
+    disabled = False  # True: the base projection alone (adapters_disabled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return out
         return out + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Inside the block the model computes as its base: every adapter (LoRALinear's, an MoE's GroupedAdapter) is
+    skipped."""
+    adapters = [m for m in model.modules() if isinstance(m, (LoRALinear, GroupedAdapter))]
+    for m in adapters:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m in adapters:
+            m.disabled = False
 
 
 def _adapter_weights(linear: nn.Linear, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,14 +172,14 @@ class GroupedExperts(nn.Module):
         if b1 is not None:  # each row's expert's bias (output_size: no host sync)
             gate = gate + b1.repeat_interleave(counts, dim=0, output_size=rows)
             up = up + b3.repeat_interleave(counts, dim=0, output_size=rows)
-        if self.gate_up_proj is not None:
+        if self.gate_up_proj is not None and not self.gate_up_proj.disabled:
             delta = self.gate_up_proj.delta(tokens, mm, self._local)
             gate, up = gate + delta[:, : gate.shape[1]], up + delta[:, gate.shape[1] :]
         hidden = self._act(gate, up)
         out = mm(hidden, w2)
         if b2 is not None:
             out = out + b2.repeat_interleave(counts, dim=0, output_size=rows)
-        if self.down_proj is not None:
+        if self.down_proj is not None and not self.down_proj.disabled:
             out = out + self.down_proj.delta(hidden, mm, self._local)
         return out
 

@@ -59,6 +59,7 @@ class StepMetrics:
     eta: float | None = None  # seconds to the last step
     moe: dict[str, float] | None = None  # an MoE's load balance (moe_balance.LoadBalance.report)
     replicas: str | None = None  # fault tolerance: live / planned replica groups this step ("1/2")
+    pairs: dict[str, float] | None = None  # [dpo]: rewards of chosen and rejected, margin, accuracy (global batch)
 
     def scalars(self) -> dict[str, float]:
         """The TensorBoard scalars of this step, by tag."""
@@ -74,7 +75,19 @@ class StepMetrics:
         out.update({f"memory/{k}_gib": v for k, v in self.memory.items()})
         if self.moe:
             out.update({f"moe/{k}": v for k, v in self.moe.items() if k != "busiest_layer"})
+        if self.pairs:
+            out.update({f"dpo/{k}": v for k, v in self.pairs.items()})
         return out
+
+
+def format_pairs(pairs: dict[str, float] | None) -> str:
+    """[dpo]'s part of a step or validation line: mean rewards of chosen and rejected, margin, reward accuracy."""
+    if not pairs:
+        return ""
+    return (
+        f"  rewards: {pairs['reward_chosen']:+.4f}/{pairs['reward_rejected']:+.4f}  margin: {pairs['margin']:+.4f}  "
+        f"acc: {pairs['accuracy']:.3f}"
+    )
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -125,6 +138,7 @@ def format_step_line(m: StepMetrics) -> str:
             moe += f"  aux: {m.moe['aux_loss']:.4f}"
     if m.replicas:
         moe += f"  replicas: {m.replicas}"
+    moe += format_pairs(m.pairs)
     return (
         f"step: {m.step:5d}  loss: {m.loss:8.4f}  grad_norm: {m.grad_norm:7.4f}  lr: {m.lr:.3e}  "
         f"tps: {m.tokens_per_sec:,.0f}  tflops: {m.tflops:.3g}  mfu: {mfu}  {mem}{moe}  "
@@ -241,7 +255,14 @@ class MetricsLogger:
         self.throughput.exclude(seconds)
 
     def collect(
-        self, step: int, loss: float, grad_norm: float, lr: float, moe: dict | None = None, replicas: str | None = None
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        moe: dict | None = None,
+        replicas: str | None = None,
+        pairs: dict | None = None,
     ) -> StepMetrics:
         """Everything the step line shows; call after the values were read from the device (synced)."""
         tps = self.throughput.rate()
@@ -260,6 +281,7 @@ class MetricsLogger:
             eta=self.timer.eta(step),
             moe=moe,
             replicas=replicas,
+            pairs=pairs,
         )
 
     def log(self, m: StepMetrics) -> str:
@@ -273,18 +295,27 @@ class MetricsLogger:
             self.wandb.log(m.scalars(), m.step)
         return line
 
-    def log_validation(self, step: int, loss: float, perplexity: float, tokens: int, seconds: float) -> str:
-        """Print the validation line and write validation/loss and validation/perplexity."""
-        line = (
-            f"validation at step {step}: loss: {loss:8.4f}  perplexity: {perplexity:.3f}  "
-            f"({tokens:,} tokens, {seconds:.1f}s)"
-        )
+    def log_validation(
+        self, step: int, loss: float, perplexity: float, tokens: int, seconds: float, pairs: dict | None = None
+    ) -> str:
+        """Print the validation line and write validation/loss and validation/perplexity ([dpo]: validation/loss and
+        the pairs' rewards, margin and accuracy, over `tokens` pairs)."""
+        if pairs:
+            line = f"validation at step {step}: loss: {loss:8.4f}{format_pairs(pairs)}  "
+            line += f"({tokens:,} pairs, {seconds:.1f}s)"
+            scalars = {"validation/loss": loss, **{f"validation/dpo/{k}": v for k, v in pairs.items()}}
+        else:
+            line = (
+                f"validation at step {step}: loss: {loss:8.4f}  perplexity: {perplexity:.3f}  "
+                f"({tokens:,} tokens, {seconds:.1f}s)"
+            )
+            scalars = {"validation/loss": loss, "validation/perplexity": perplexity}
         logger.info(line)
         if self.writer is not None:
-            self.writer.add_scalar("validation/loss", loss, step)
-            self.writer.add_scalar("validation/perplexity", perplexity, step)
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
         if self.wandb is not None:
-            self.wandb.log({"validation/loss": loss, "validation/perplexity": perplexity}, step)
+            self.wandb.log(scalars, step)
         return line
 
     def close(self) -> None:

@@ -56,6 +56,7 @@ class MemoryEstimate:
     nf4_bits: float = 0.0  # QLoRA: bits per 4-bit weight
     muon_transient: int = 0  # Muon: the largest matrix's whole update and Newton-Schulz temporaries, at its step
     muon_flops: float = 0.0  # Muon: Newton-Schulz FLOPs per rank and step (not in MFU)
+    reference: int = 0  # [dpo] reference = 'copy': the frozen copy's parameter shards
 
     def moments(self) -> dict[str, int]:
         """Bytes on the GPU beyond the resident state at each moment that can make the step's peak (see
@@ -88,8 +89,13 @@ class MemoryEstimate:
     @property
     def gpu_total(self) -> int:
         """Bytes on the GPU at the step's peak: the sharded state (unless offloaded) and the largest moment."""
-        resident = 0 if self.on_cpu else self.params + self.optimizer
+        resident = 0 if self.on_cpu else self.params + self.optimizer + self.reference
         return resident + max(self.moments().values())
+
+
+def rows_per_item(cfg) -> int:
+    """Sequences per item of a batch: [dpo] counts pairs, each a chosen and a rejected sequence."""
+    return 2 if cfg.dpo.enable else 1
 
 
 def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> dict[str, int]:
@@ -97,7 +103,7 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
     t, ac = cfg.training, cfg.activation_checkpoint
     return me.activation_bytes(
         plan.model_args,
-        local_batch_size * t.seq_len // plan.dims.cp,  # context parallelism: this rank's part of the sequences
+        rows_per_item(cfg) * local_batch_size * t.seq_len // plan.dims.cp,  # cp: this rank's part of the sequences
         dtype_bytes(t.mixed_precision_param),
         ac_blocks,
         ac.mode == "selective" and ac.selective_ac_option == "op",
@@ -118,7 +124,7 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dic
     activations (activations_for) are act."""
     t, ac = cfg.training, cfg.activation_checkpoint
     act_bytes = dtype_bytes(t.mixed_precision_param)
-    tokens = local_batch_size * t.seq_len // plan.dims.cp
+    tokens = rows_per_item(cfg) * local_batch_size * t.seq_len // plan.dims.cp
     op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
     tp, sp = plan.dims.tp, cfg.parallelism.enable_sequence_parallel
     kept, rebuilt = me.block_bytes(
@@ -229,6 +235,8 @@ def estimate(cfg, plan, world_size: int) -> MemoryEstimate:
     )
     if cfg.optimizer.name.lower() == "muon":
         est.muon_transient, est.muon_flops = muon
+    if cfg.dpo.enable and cfg.dpo.reference == "copy" and cfg.dpo.loss != "simpo":
+        est.reference = state.params  # built and sharded as the policy (no gradients, no optimizer state)
     est.backward = backward_for(cfg, plan, est, t.local_batch_size, act)
     return est
 
@@ -300,7 +308,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
         return pipeline_report(cfg, plan, world_size, where, gpu_mem_gib, gpu_mem_gib * (1 - RESERVE_FRACTION))
     est = estimate(cfg, plan, world_size)
     t, args, ac = cfg.training, plan.model_args, cfg.activation_checkpoint
-    tokens = t.local_batch_size * t.seq_len // plan.dims.cp  # this rank's part of the sequences
+    tokens = rows_per_item(cfg) * t.local_batch_size * t.seq_len // plan.dims.cp  # this rank's part of the sequences
     act, buffers, gpu_total, on_cpu = est.activations, est.fsdp_buffers, est.gpu_total, est.on_cpu
     total_params, lines = est.total_params, est.setup_lines
     usable = gpu_mem_gib * (1 - RESERVE_FRACTION)
@@ -327,6 +335,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             *_moe_lines(args, plan.dims),
             *_lora_lines(cfg, est),
             *_muon_lines(cfg, est),
+            *_dpo_lines(cfg),
             "",
             "memory per rank (rank 0 holds the largest shard)                     GiB",
             row("parameters", f"{_params_text(cfg)} shards on {where_state}", est.params),
@@ -336,6 +345,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
                 f"{me.optimizer_state_text(cfg, 'adapter parameter' if lora else 'parameter')} on {where_state}",
                 est.optimizer,
             ),  # fmt: skip
+            *([row("reference", "DPO: the frozen copy's parameter shards", est.reference)] if est.reference else []),
             row("FSDP buffers", "at the peak: gathered units + unsharded grads", buffers),
             row("activations", _activation_text(tokens, p_dtype, ac_label(ac)) + _approximate(args), act["total"]),
         ]
@@ -361,6 +371,24 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
     if problem:
         lines.append(f"note: not checked here, but the GPU run will need it: {problem}")
     return lines, fits
+
+
+def _dpo_lines(cfg) -> list[str]:
+    """What the report says of a [dpo] run: rows per microbatch, the logits, and what its reference holds."""
+    d = cfg.dpo
+    if not d.enable:
+        return []
+    references = {
+        "base": "the base (adapters switched off): no memory of its own",
+        "copy": "a frozen copy of the initial weights (the 'reference' row)",
+        "precomputed": "a table in CPU memory, 8 bytes per pair (computed before step 1)",
+    }
+    reference = "none (simpo)" if d.loss == "simpo" else references[d.reference]
+    return [
+        f"DPO ({d.loss}, beta {d.beta:g}): a microbatch of {cfg.training.local_batch_size} pairs is "
+        f"{2 * cfg.training.local_batch_size} sequences, with their whole logits in fp32 (no chunked loss); "
+        f"reference: {reference}"
+    ]
 
 
 def _approximate(args) -> str:

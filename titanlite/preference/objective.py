@@ -1,0 +1,82 @@
+"""What the trainer and the validator call per microbatch under [dpo]: the summed pair losses (divided later by the
+global pair count, as token losses are by the global token count), and the step's reward statistics for the log."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from titanlite.preference.losses import pair_losses, sequence_logps
+from titanlite.preference.reference import AdaptersOff, FrozenCopy, Precomputed, frozen_copy_model
+
+REPORTED = ("reward_chosen", "reward_rejected", "margin", "accuracy")
+
+
+class PreferenceObjective:
+    """The [dpo] loss of a microbatch of pairs against `reference` (None: simpo), and its running statistics."""
+
+    def __init__(self, dpo_cfg, reference, copies: int = 1):
+        self.cfg, self.reference, self.copies = dpo_cfg, reference, copies  # copies: tp ranks with the same values
+        self._stats: torch.Tensor | None = None  # sum of loss, chosen and rejected rewards, correct pairs, pairs
+
+    def begin(self) -> None:
+        """Start a new step's (or evaluation's) statistics."""
+        self._stats = None
+
+    def __call__(self, model: torch.nn.Module, mb, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the microbatch's summed pair losses, its labels on the device)."""
+        inputs = mb.inputs.to(device, non_blocking=True)
+        labels = mb.labels.to(device, non_blocking=True)
+        block_causal = getattr(getattr(model, "args", None), "attention", "causal") == "block_causal"
+        extra = [mb.positions.to(device, non_blocking=True)] if block_causal else []
+        reference = None if self.reference is None else self.reference.logps(inputs, extra, labels, mb.pairs)
+        policy, counts = sequence_logps(model(inputs, *extra), labels)
+        c = self.cfg
+        losses, chosen, rejected = pair_losses(c.loss, c.beta, policy, reference, counts, c.gamma, c.label_smoothing)
+        stats = torch.stack(
+            [losses.detach().sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum(), torch.tensor(len(losses))]
+        ).double()
+        self._stats = stats if self._stats is None else self._stats + stats
+        return losses.sum(), labels
+
+    @staticmethod
+    def counted(labels: torch.Tensor) -> torch.Tensor:
+        """What a microbatch counts for in the loss's normalization: its pairs."""
+        return torch.tensor(labels.shape[0] // 2)
+
+    def report(self) -> dict[str, float]:
+        """The statistics since begin(), over every rank (a collective): mean rewards of chosen and rejected, their
+        margin and the share of pairs whose chosen reward is the higher."""
+        stats = self._stats if self._stats is not None else torch.zeros(5, dtype=torch.float64)
+        if dist.is_initialized():
+            stats = stats.clone()
+            dist.all_reduce(stats)
+            stats /= self.copies
+        _, chosen, rejected, correct, pairs = (stats / stats[4].clamp(min=1)).tolist()
+        return dict(zip(REPORTED, (chosen, rejected, chosen - rejected, correct)))
+
+
+def build_objective(cfg, state, model_args, meshes, device, copies: int, validation_layouts=None):
+    """(the training objective, the validation objective) of a [dpo] run: the reference its dpo.reference names
+    (precomputed tables are placed in `state` for checkpoints and filled by fill_reference)."""
+    kind = cfg.dpo.reference
+    if cfg.dpo.loss == "simpo":
+        return PreferenceObjective(cfg.dpo, None, copies), PreferenceObjective(cfg.dpo, None, copies)
+    if kind == "base":
+        reference = AdaptersOff(state.model)
+        return PreferenceObjective(cfg.dpo, reference, copies), PreferenceObjective(cfg.dpo, reference, copies)
+    if kind == "copy":
+        reference = FrozenCopy(frozen_copy_model(cfg, model_args, meshes, device))
+        return PreferenceObjective(cfg.dpo, reference, copies), PreferenceObjective(cfg.dpo, reference, copies)
+    train = Precomputed(state, "training", state.dataloader.layouts)
+    held_out = Precomputed(state, "validation", validation_layouts) if validation_layouts else None
+    return PreferenceObjective(cfg.dpo, train, copies), PreferenceObjective(cfg.dpo, held_out, copies)
+
+
+def fill_reference(objectives, model, cfg, dp_rank: int, dp_degree: int, copies: int, device) -> None:
+    """Compute the precomputed references' tables that a resume did not bring (a fresh start)."""
+    block_causal = getattr(getattr(model, "args", None), "attention", "causal") == "block_causal"
+    for objective in objectives:
+        reference = objective.reference
+        if isinstance(reference, Precomputed) and reference.missing():
+            reference.compute(model, cfg.training.local_batch_size, dp_rank, dp_degree, copies, device, block_causal)
