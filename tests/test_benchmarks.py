@@ -150,3 +150,13 @@ def test_pipeline_benchmark_prints_each_schedule_against_fsdp():
         ("ZBVZeroBubble", "0.0%"),
     ):
         assert re.search(rf"PP\(2\) {schedule}\s+[\d.]+\s+[\d.-]+\s+x[\d.]+\s+[\d.]+%\s+{re.escape(bubble)}", out), out
+
+
+def test_dpo_benchmark_prints_the_references_table():
+    out = _bench(
+        "dpo.py", "--layers", "1", "--hidden", "64", "--intermediate", "96", "--seq-len", "128", "--device", "cpu",
+        "--pairs", "8", "--rank", "4", "--reps", "1", "--steps", "1", "--warmup", "0",
+    )  # fmt: skip
+    for reference in ("copy", "base", "precomputed"):
+        assert re.search(rf"^{reference}\s+\d+\s+x[\d.]+$", out, re.M), out
+    assert re.search(r"precomputed: the table of 8 pairs took [\d.]+ s before step 1", out), out

@@ -208,14 +208,18 @@ def _tiny_model(seed):
     return model
 
 
-@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "simpo"])
-def test_the_objective_is_the_hand_formula_on_the_models_own_log_probabilities(tmp_path, kind):
+@pytest.mark.parametrize("kind, chunk", [("sigmoid", 0), ("sigmoid", 7), ("ipo", 7), ("simpo", 7)])
+def test_the_objective_is_the_hand_formula_on_the_models_own_log_probabilities(tmp_path, kind, chunk):
+    """chunk > 0: the model computes each token's log-probability in chunks of tokens (no logits tensor) and its
+    backward projects them again; the hand formula takes the logits of the same weights."""
     from titanlite.preference.objective import PreferenceObjective
     from titanlite.preference.reference import FrozenCopy
 
     cfg = load(dpo_argv(tmp_path, "--training.local_batch_size", "4", "--dpo.loss", kind, "--dpo.beta", "0.5"))
     mb = build_loader(cfg, ByteTokenizer(), "training", dp_rank=0, dp_degree=1).next_step().microbatches[0]
     policy, reference = _tiny_model(0), _tiny_model(1)
+    for model in (policy, reference):
+        model.loss_chunk_tokens, model.output.per_token = chunk, True
     objective = PreferenceObjective(cfg.dpo, None if kind == "simpo" else FrozenCopy(reference))
     loss, _ = objective(policy, mb, torch.device("cpu"))
     grads = torch.autograd.grad(loss, list(policy.parameters()))

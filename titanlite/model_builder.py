@@ -52,9 +52,8 @@ def compiled_loss(cfg: JobConfig, tp: int = 1) -> bool:
 
 def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
     """Tokens per chunk of the output projection and loss for this run (with tensor parallelism: over each
-    rank's share of the vocabulary); 0 when the loss is not chunked (a compiled loss; [dpo], whose loss needs each
-    sequence's log-probability, from the logits)."""
-    return 0 if compiled_loss(cfg, tp) or cfg.dpo.enable else cfg.training.loss_chunk_tokens
+    rank's share of the vocabulary); 0 when the loss is not chunked (a compiled loss)."""
+    return 0 if compiled_loss(cfg, tp) else cfg.training.loss_chunk_tokens
 
 
 def lora_base_dtype(cfg: JobConfig) -> torch.dtype:
@@ -90,6 +89,7 @@ def build_for_training(cfg: JobConfig, args, meshes: Meshes | None) -> BuiltMode
     _experts(model, args, meshes, cfg.moe.load_balance, tp)
     apply_cp(model, meshes)  # each rank computes its chunks of every sequence
     model.loss_chunk_tokens = chunked_loss_tokens(cfg, tp)
+    model.output.per_token = cfg.dpo.enable  # [dpo]: each token's log-probability, in chunks (not a summed loss)
     built = BuiltModel(model, apply_ac(model, cfg.activation_checkpoint), apply_compile(model, cfg.compile), 0, float8)
     units, reshard = [model], cfg.parallelism.fsdp_reshard_after_forward  # the FSDP roots: the model, or its stages
     if meshes is not None and meshes.pp is not None:

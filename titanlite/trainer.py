@@ -299,8 +299,9 @@ class Trainer:
                 f"Already at step {self.step} of training.steps = {cfg.training.steps}: nothing to train "
                 f"(raise training.steps to go on, or use a new job.dump_folder to start over)"
             )
+        pairs = " pairs (chosen and rejected: 2 sequences each)" if cfg.dpo.enable else ""
         logger.info(
-            f"Training {cfg.training.steps} steps: global batch {self.global_batch_size} x "
+            f"Training {cfg.training.steps} steps: global batch {self.global_batch_size}{pairs} x "
             f"seq {cfg.training.seq_len}, {self.grad_accum} microbatch(es) of {cfg.training.local_batch_size}"
             f" per rank, dp degree {self.dims.dp_degree}"
         )

@@ -101,3 +101,75 @@ def chunked_linear_cross_entropy(
     return ChunkedLinearCrossEntropy.apply(
         hidden.flatten(0, -2), weight, labels.flatten(), chunk, ignore_index, group, vocab_start, in_place
     )
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """log p(label) of every token of hidden (N, dim) projected by weight (vocab rows, dim), `chunk` rows at a time;
+    0 where the label does not count. Backward projects each chunk again (the logits are never kept): the gradient
+    of each token's value scales its own softmax, so it cannot be folded into forward as the summed loss's is."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, group=None, vocab_start: int = 0):
+        out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.zeros_like(out)  # each row's log-sum-exp over the whole vocabulary, for backward
+        rows = weight.shape[0]
+        for start in range(0, hidden.shape[0], chunk):
+            y = labels[start : start + chunk]
+            logits = F.linear(hidden[start : start + chunk], weight).float()
+            counted = y != ignore_index
+            local = y - vocab_start
+            mine = counted & (local >= 0) & (local < rows)
+            target = logits.gather(1, torch.where(mine, local, 0).unsqueeze(1)).squeeze(1) * mine
+            row_max = logits.amax(dim=-1)
+            if group is not None:
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            row_sum = torch.exp(logits - row_max.unsqueeze(1)).sum(dim=-1)
+            if group is not None:
+                dist.all_reduce(row_sum, group=group)
+                dist.all_reduce(target, group=group)
+            lse[start : start + chunk] = row_max + row_sum.log()
+            out[start : start + chunk] = (target - lse[start : start + chunk]) * counted
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk, ctx.ignore_index, ctx.group, ctx.vocab_start = chunk, ignore_index, group, vocab_start
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        rows, group = weight.shape[0], ctx.group
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h, y = hidden[start : start + ctx.chunk], labels[start : start + ctx.chunk]
+            g = grad_out[start : start + ctx.chunk].float() * (y != ctx.ignore_index)
+            # d log p(y) / d logits = one-hot(y) - softmax: scaled by each token's incoming gradient
+            probs = torch.exp(F.linear(h, weight).float() - lse[start : start + ctx.chunk].unsqueeze(1))
+            local = y - ctx.vocab_start
+            mine = (local >= 0) & (local < rows)
+            grad_logits = probs.mul_(-g.unsqueeze(1))
+            grad_logits.scatter_add_(1, torch.where(mine, local, 0).unsqueeze(1), (g * mine).unsqueeze(1))
+            grad_logits = grad_logits.type_as(hidden)
+            if need_hidden:
+                partial = grad_logits @ weight
+                if group is not None:
+                    dist.all_reduce(partial, group=group)
+                grad_hidden[start : start + ctx.chunk] = partial
+            if need_weight:
+                grad_weight.addmm_(grad_logits.t(), h)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    ignore_index: int,
+    group=None,
+    vocab_start: int = 0,
+) -> torch.Tensor:
+    """log p(label) of each token (fp32, flattened; 0 where the label does not count) of hidden (..., dim) projected
+    by weight (vocab, dim); with group, weight is this rank's rows (from vocab_start) of a weight split over it."""
+    return ChunkedTokenLogprobs.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk, ignore_index, group,
+                                      vocab_start)  # fmt: skip

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.loss import IGNORE_INDEX
 from titanlite.models.args import ModelArgs
-from titanlite.models.chunked_loss import chunked_linear_cross_entropy
+from titanlite.models.chunked_loss import chunked_linear_cross_entropy, chunked_token_logprobs
 from titanlite.models.context_parallel import cp_attention_mask, gather_sequence, inverse_order, local_index
 from titanlite.models.feed_forward import FeedForward
 from titanlite.models.kv_cache import KVCache, LayerKV
@@ -121,19 +121,20 @@ class OutputProjection(nn.Linear):
 
     chunk_tokens = 0  # 0: never chunked (the model returns logits and the caller takes the loss)
     backward_once = True  # False: its backward may run twice (a pipeline schedule that splits backward)
+    per_token = False  # True: given labels, each token's log-probability instead of the summed loss ([dpo])
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(x)
+        group, start, weight = None, 0, self.weight
         if isinstance(self.weight, DTensor):  # split over the vocabulary by the tensor-parallel plan
             mesh, weight = self.weight.device_mesh, self.weight.to_local()
-            hidden = x.to_local() if isinstance(x, DTensor) else x  # the whole sequence, on every tp rank
-            start = mesh.get_local_rank() * weight.shape[0]
-            return chunked_linear_cross_entropy(
-                hidden, weight, labels, self.chunk_tokens, IGNORE_INDEX, mesh.get_group(), start, self.backward_once
-            )
+            x = x.to_local() if isinstance(x, DTensor) else x  # the whole sequence, on every tp rank
+            group, start = mesh.get_group(), mesh.get_local_rank() * weight.shape[0]
+        if self.per_token:
+            return chunked_token_logprobs(x, weight, labels, self.chunk_tokens, IGNORE_INDEX, group, start)
         return chunked_linear_cross_entropy(
-            x, self.weight, labels, self.chunk_tokens, IGNORE_INDEX, in_place=self.backward_once
+            x, weight, labels, self.chunk_tokens, IGNORE_INDEX, group, start, self.backward_once
         )
 
 

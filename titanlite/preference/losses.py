@@ -10,6 +10,15 @@ from torch.distributed.tensor import DTensor
 from titanlite.loss import IGNORE_INDEX
 
 
+def model_sequence_logps(model, inputs, extra: list, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """sequence_logps of the model's rows: from its output projection in chunks of tokens when it computes them
+    (loss_chunk_tokens > 0; no logits tensor of the whole microbatch), else from its logits."""
+    if getattr(model, "loss_chunk_tokens", 0) > 0:
+        per_token = model(inputs, *extra, labels=labels)
+        return per_token.view(labels.shape).sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+    return sequence_logps(model(inputs, *extra), labels)
+
+
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log p(label) over each row's counted labels, fp32; counted labels per row) of logits (rows, L, vocab);
     vocabulary-split logits (loss parallel) are never gathered."""

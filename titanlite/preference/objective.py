@@ -3,13 +3,22 @@ global pair count, as token losses are by the global token count), and the step'
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
-from titanlite.preference.losses import pair_losses, sequence_logps
+from titanlite.preference.losses import model_sequence_logps, pair_losses
 from titanlite.preference.reference import AdaptersOff, FrozenCopy, Precomputed, frozen_copy_model
 
+logger = logging.getLogger("titanlite")
+
 REPORTED = ("reward_chosen", "reward_rejected", "margin", "accuracy")
+DESCRIBED = {
+    "base": "the model with its adapters switched off",
+    "copy": "a frozen copy of the initial weights, sharded as the model",
+    "precomputed": "each pair's log-probabilities, computed once before step 1 and kept in the checkpoints",
+}
 
 
 class PreferenceObjective:
@@ -30,7 +39,7 @@ class PreferenceObjective:
         block_causal = getattr(getattr(model, "args", None), "attention", "causal") == "block_causal"
         extra = [mb.positions.to(device, non_blocking=True)] if block_causal else []
         reference = None if self.reference is None else self.reference.logps(inputs, extra, labels, mb.pairs)
-        policy, counts = sequence_logps(model(inputs, *extra), labels)
+        policy, counts = model_sequence_logps(model, inputs, extra, labels)
         c = self.cfg
         losses, chosen, rejected = pair_losses(c.loss, c.beta, policy, reference, counts, c.gamma, c.label_smoothing)
         stats = torch.stack(
@@ -59,7 +68,12 @@ class PreferenceObjective:
 def build_objective(cfg, state, model_args, meshes, device, copies: int, validation_layouts=None):
     """(the training objective, the validation objective) of a [dpo] run: the reference its dpo.reference names
     (precomputed tables are placed in `state` for checkpoints and filled by fill_reference)."""
-    kind = cfg.dpo.reference
+    kind, d = cfg.dpo.reference, cfg.dpo
+    what = {"sigmoid": "DPO", "ipo": "IPO", "simpo": "SimPO"}[d.loss]
+    extra = f", gamma {d.gamma:g}" if d.loss == "simpo" else ""
+    extra += f", label smoothing {d.label_smoothing:g}" if d.label_smoothing and d.loss != "ipo" else ""
+    logger.info(f"Objective: {what} on preference pairs (dpo.loss = {d.loss!r}, beta {d.beta:g}{extra}); reference: "
+                f"{'none' if d.loss == 'simpo' else DESCRIBED[kind]}")  # fmt: skip
     if cfg.dpo.loss == "simpo":
         return PreferenceObjective(cfg.dpo, None, copies), PreferenceObjective(cfg.dpo, None, copies)
     if kind == "base":

@@ -16,14 +16,14 @@ from titanlite.model_builder import build_model
 from titanlite.models.eval_mode import eval_mode
 from titanlite.models.lora import adapters_disabled
 from titanlite.models.nf4 import materialize_nf4
-from titanlite.preference.losses import sequence_logps
+from titanlite.preference.losses import model_sequence_logps
 from titanlite.storage import location
 
 logger = logging.getLogger("titanlite")
 
 
 def _forward_logps(model: torch.nn.Module, inputs, extra: list, labels) -> torch.Tensor:
-    return sequence_logps(model(inputs, *extra), labels)[0]
+    return model_sequence_logps(model, inputs, extra, labels)[0]
 
 
 class AdaptersOff:
@@ -124,4 +124,5 @@ def frozen_copy_model(cfg, model_args, meshes, device: torch.device) -> torch.nn
         load_initial_weights(model, location(cfg.checkpoint.initial_load_path))
     if cfg.lora.enable and cfg.lora.initial_adapter_path:
         load_peft_adapter(model, cfg.lora.initial_adapter_path, cfg.lora)
+    logger.info("Reference model (dpo.reference = 'copy'): built, sharded and loaded as the model, frozen")
     return model

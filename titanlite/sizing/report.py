@@ -386,7 +386,7 @@ def _dpo_lines(cfg) -> list[str]:
     reference = "none (simpo)" if d.loss == "simpo" else references[d.reference]
     return [
         f"DPO ({d.loss}, beta {d.beta:g}): a microbatch of {cfg.training.local_batch_size} pairs is "
-        f"{2 * cfg.training.local_batch_size} sequences, with their whole logits in fp32 (no chunked loss); "
+        f"{2 * cfg.training.local_batch_size} sequences; each token's log-probability in chunks as the loss's; "
         f"reference: {reference}"
     ]
 
