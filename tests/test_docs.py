@@ -41,6 +41,8 @@ SKIP = {
     "--checkpoint.initial_load_path /models/": "needs a downloaded HF model folder under /models/",
     "--checkpoint.initial_load_path model.pt": "model.pt is what the export command before it writes",
     "--checkpoint.load_step 400": "resumes from a step-400 checkpoint, which only an earlier run leaves",
+    "./run_train.sh --config debug_dpo ": "starts from debug_sft's step 200, which the line before writes "
+    "(tests/test_dpo.py trains DPO from a base it makes)",
     "--fault_tolerance.enable true --fault_tolerance.group_count 2": "needs the lighthouse the line before starts "
     "(tests/test_fault_tolerance.py runs such groups)",
     "RDZV_ENDPOINT=127.0.0.1:29533": "two nodes started together, one line each (tests/test_multi_node.py runs them)",

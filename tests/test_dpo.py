@@ -16,11 +16,12 @@ from titanlite.config import load
 from titanlite.data.build import build_loader, training_specs
 from titanlite.data.formats import make_encoder
 from titanlite.data.tokenizers import ByteTokenizer
+from titanlite.errors import ConfigError
 from titanlite.loss import IGNORE_INDEX
 from titanlite.preference.losses import pair_losses, sequence_logps
 
 from bad_inputs import Case, check
-from helpers import capture_logs, ckpt_argv, make_trainer, run_distributed, tiny_argv
+from helpers import capture_logs, ckpt_argv, make_trainer, run_distributed, run_module, tiny_argv
 
 COUNTRIES = ["France", "Japan", "Italy", "Spain", "Egypt", "Peru", "Kenya", "Chile", "Chad", "Laos", "Iran", "Oman"]
 CAPITALS = ["Paris", "Tokyo", "Rome", "Madrid", "Cairo", "Lima", "Nairobi", "Santiago", "Ndjamena", "Vientiane"]
@@ -208,7 +209,7 @@ def _tiny_model(seed):
     return model
 
 
-@pytest.mark.parametrize("kind, chunk", [("sigmoid", 0), ("sigmoid", 7), ("ipo", 7), ("simpo", 7)])
+@pytest.mark.parametrize("kind, chunk", [("sigmoid", 0), ("sigmoid", 100), ("ipo", 0), ("simpo", 0)])
 def test_the_objective_is_the_hand_formula_on_the_models_own_log_probabilities(tmp_path, kind, chunk):
     """chunk > 0: the model computes each token's log-probability in chunks of tokens (no logits tensor) and its
     backward projects them again; the hand formula takes the logits of the same weights."""
@@ -271,6 +272,9 @@ def test_pairs_share_the_prompt_tokens_and_count_only_the_responses(tmp_path):
         assert c_tokens[n_prompt:][-3:] == [tok.eos_id, *b"\n\n"]  # the reply's end of turn counts
     system = encoder.pair({**forms[0], "system": "Be brief."})[0]
     assert system[0] == {"role": "system", "content": "Be brief."}
+    # UltraFeedback's layout: a prompt field beside whole conversations is the implicit form
+    ultrafeedback = {**forms[2], "prompt": forms[2]["chosen"][0]["content"]}
+    assert encoder.pair(ultrafeedback) == encoder.pair(forms[2])
 
 
 def test_bad_pair_records_are_skipped_and_counted(tmp_path):
@@ -340,6 +344,28 @@ def test_pair_order_is_the_same_at_every_data_parallel_degree(tmp_path):
     assert seen[1] == seen[2] == seen[4] and len(set(seen[1])) == 8
 
 
+def _dry_run(capsys, *argv):
+    import re
+
+    from titanlite.cli import dry_run
+
+    code = dry_run.main(["--world-size", "8", "--job.config_file", "llama8b_fsdp", *argv])
+    out = capsys.readouterr().out
+    return code, out, {m[1]: float(m[2]) for m in re.finditer(r"^  (\w[\w ]*?)\s{2,}.*?([0-9.]+)$", out, re.M)}
+
+
+@pytest.mark.slow  # three dry runs of the 8B config: seconds, kept out of the fast loop
+def test_the_dry_run_counts_the_reference_and_two_sequences_per_pair(capsys):
+    dpo = ("--training.dataset", "builtin_preference", "--data.format", "preference", "--dpo.enable")
+    _, sft_out, sft = _dry_run(capsys, "--training.local_batch_size", "2", "--training.global_batch_size", "16")
+    _, copy_out, copy = _dry_run(capsys, *dpo, "--dpo.reference", "copy")
+    _, pre_out, pre = _dry_run(capsys, *dpo, "--dpo.reference", "precomputed")
+    assert copy["reference"] == copy["parameters"] and "reference" not in pre  # the copy's shards; a table on the CPU
+    assert "a table in CPU memory, 8 bytes per pair" in pre_out and "a microbatch of 1 pairs is 2 sequences" in pre_out
+    assert copy["activations"] == pre["activations"] == sft["activations"]  # 1 pair = 2 sequences of the SFT run
+    assert abs(copy["total on GPU"] - pre["total on GPU"] - copy["reference"]) < 0.02
+
+
 # ------------------------------------------------------------------------------------------------ bad inputs
 
 DUMP = "{tmp}/run"
@@ -362,6 +388,11 @@ CASES = [
     Case(
         "beta-not-positive", "config", "train", _bad("--dpo.reference", "copy", "--dpo.beta", "0"),
         ("dpo.beta = 0.0 is not valid", "a number > 0"), setup=_pairs_file(_pairs(4)),
+    ),
+    Case(
+        "label-smoothing-with-ipo", "config", "train",
+        _bad("--dpo.reference", "copy", "--dpo.loss", "ipo", "--dpo.label_smoothing", "0.1"),
+        ("dpo.label_smoothing = 0.1 with dpo.loss = 'ipo'", "dpo.label_smoothing = 0"), setup=_pairs_file(_pairs(4)),
     ),
     Case(
         "reference-base-without-lora", "config", "train", _bad(),
@@ -442,13 +473,44 @@ def _runs(tmp, base, runs):
     )
 
 
+def _phi3_folder(tmp) -> str:
+    """A random Phi-3 saved by transformers (a transformers-backend model: fused qkv and gate_up projections)."""
+    import transformers
+
+    config = transformers.Phi3Config(
+        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(f"{tmp}/phi3")
+    return f"{tmp}/phi3"
+
+
+def _backend(tmp):
+    """The Phi-3 folder through the transformers backend, LoRA on its own fused linears, the adapter-free reference."""
+    return ("--model.name", "transformers", "--model.flavor", "hf", *_lora(f"{tmp}/phi3"),
+            "--lora.targets", "qkv_proj,gate_up_proj")  # fmt: skip
+
+
+def _copy_stays_sharded(tmp) -> bool:
+    """After a step, every parameter of the copy reference is a shard again (none left gathered after forward)."""
+    from torch.distributed.tensor import DTensor
+
+    t = make_trainer(dpo_argv(tmp, "--training.steps", "1", "--job.dump_folder", f"{tmp}/copy_sharding"))
+    t.train()
+    return all(isinstance(p, DTensor) for p in t.objective.reference.model.parameters())
+
+
 def _one_process(tmp, base):
     make_trainer(ckpt_argv(f"{tmp}/base", "--training.steps", "2", "--checkpoint.interval", "2")).train()
+    _phi3_folder(tmp)
+    assert _copy_stays_sharded(tmp)
     return _runs(tmp, base, [
         ("copy", ("--training.local_batch_size", "4")),
         ("precomputed", ("--dpo.reference", "precomputed", "--training.local_batch_size", "8")),
         ("lora", (*_lora(base), "--training.local_batch_size", "4")),
         ("qlora", (*_lora(base), *NF4, "--training.local_batch_size", "8")),
+        ("backend_lora", (*_backend(tmp), "--training.local_batch_size", "4")),
     ])  # fmt: skip
 
 
@@ -467,12 +529,18 @@ def _resume(tmp):
     resumed_at = again.step
     resumed_log, _ = _record(again), again.train()
     recomputed = [line for line in logs if line.startswith("Reference log-probabilities")][len(computed) :]
+    try:  # another seq_len cuts the pairs otherwise: the saved table is of other tokens, and cannot be computed again
+        make_trainer([*argv, "--checkpoint.load_step", "2", "--training.seq_len", "100"])
+        other_cut = "no error"
+    except ConfigError as e:
+        other_cut = str(e)
     return {
         "straight": {m.step: (m.loss, m.grad_norm, m.pairs) for m in straight_log},
         "resumed": {m.step: (m.loss, m.grad_norm, m.pairs) for m in resumed_log},
         "resumed_at": resumed_at,
         "computed": computed,
         "recomputed": recomputed,
+        "other_cut": other_cut,
         "validation": (straight.val_losses, again.val_losses),
         "losses": straight_losses,
     }
@@ -489,6 +557,7 @@ def _four_ranks(tmp, base):
         ("hsdp2x2_lora", (*_lora(base), "--training.local_batch_size", "2", *HSDP)),
         ("tp2_fsdp2_lora", (*_lora(base), "--training.local_batch_size", "2", *TP2)),
         ("fsdp4_qlora", (*_lora(base), *NF4, "--training.local_batch_size", "2")),
+        ("hsdp2x2_backend_lora", (*_backend(tmp), "--training.local_batch_size", "2", *HSDP)),
         ("resumed_on_hsdp2x2", resume),
     ])  # fmt: skip
 
@@ -516,15 +585,24 @@ def test_dpo_at_every_topology_with_each_reference_and_exact_resume(tmp_path):
     resume = run_distributed(_resume, 2, tmp_path)[0]
     # the training and validation tables are computed once, and the resumed run reads them from the checkpoint
     assert resume["resumed_at"] == 2 and len(resume["computed"]) == 2 and not resume["recomputed"]
+    assert "has other tokens' (another cut of the pairs) as reference log-probabilities" in resume["other_cut"]
     for step in (3, 4):
         assert resume["resumed"][step] == resume["straight"][step], step  # bit for bit
     assert resume["validation"][1][4] == resume["validation"][0][4]
     for step in range(1, 5):
         _close(resume["straight"][step], one["precomputed"][step], "fsdp2_precomputed")
+    # a DPO checkpoint (its run state holds the reference table) exports as after SFT; transformers loads it whole
+    out = tmp_path / "exported"
+    step2 = tmp_path / "resume" / "checkpoint" / "step-2"
+    r = run_module("titanlite.checkpoint", "export", "--checkpoint", step2, "--format", "hf", "--output", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    transformers = pytest.importorskip("transformers")
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
     four = run_distributed(_four_ranks, 4, tmp_path, base)[0]
     for name, run in four.items():
-        kind = next((k for k in ("qlora", "lora", "precomputed") if name.endswith(k)), "copy")
+        kind = next((k for k in ("backend_lora", "qlora", "lora", "precomputed") if name.endswith(k)), "copy")
         expected = resume["straight"] if name.startswith("resumed") else one[kind]
         for step in run:
             _close(run[step], expected[step], (name, step))

@@ -52,8 +52,9 @@ def compiled_loss(cfg: JobConfig, tp: int = 1) -> bool:
 
 def chunked_loss_tokens(cfg: JobConfig, tp: int = 1) -> int:
     """Tokens per chunk of the output projection and loss for this run (with tensor parallelism: over each
-    rank's share of the vocabulary); 0 when the loss is not chunked (a compiled loss)."""
-    return 0 if compiled_loss(cfg, tp) else cfg.training.loss_chunk_tokens
+    rank's share of the vocabulary); 0 when the loss is not chunked (a compiled loss; [dpo] has none: its
+    per-token log-probabilities stay chunked)."""
+    return 0 if compiled_loss(cfg, tp) and not cfg.dpo.enable else cfg.training.loss_chunk_tokens
 
 
 def lora_base_dtype(cfg: JobConfig) -> torch.dtype:

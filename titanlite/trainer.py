@@ -19,7 +19,7 @@ from titanlite.config.compare import check_same_config, given_settings
 from titanlite.data.build import build_loader
 from titanlite.data.counted import no_counted_tokens
 from titanlite.errors import NonFiniteLossError
-from titanlite.loss import TokenLoss, counted_labels, loss_parallel_context, training_loss
+from titanlite.loss import TokenLoss, loss_parallel_context, training_loss
 from titanlite.model_builder import build_model, compiled_loss
 from titanlite.models.nf4 import materialize_nf4
 from titanlite.models.rope_attention import describe_attention
@@ -95,7 +95,8 @@ class Trainer:
         # With [compile] on (inductor only: the loss has no graph breaks to hide), the loss is compiled too.
         loss_fn = training_loss(compiled_loss(cfg, self.dims.tp))
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.enable_loss_parallel
-        self.balance = LoadBalance(model, cfg.moe, self.model_args, self.dims, self.global_batch_size)
+        sequences = self.global_batch_size * (2 if cfg.dpo.enable else 1)  # [dpo]: a pair is two sequences
+        self.balance = LoadBalance(model, cfg.moe, self.model_args, self.dims, sequences)
 
         optimizer = build_optimizer(model, cfg.optimizer)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -126,11 +127,11 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg, self.state, self.device, data_identity=data_identity(self.tokenizer, dataloader)
         )
-        self.checkpointer.load()  # resume (any topology) or initial weights; sets the step on resume
+        resumed = self.checkpointer.load()  # resume (any topology) or initial weights; sets the step on resume
         if cfg.dpo.enable:  # dpo.reference = 'precomputed' on a fresh start: from the initial weights, before step 1
             dp_rank = self.dims.dp_rank(self.env.rank)
             objectives = [self.objective] + ([self.validator.objective] if self.validator is not None else [])
-            fill_reference(objectives, model, cfg, dp_rank, self.dims.dp_degree, self.dims.tp, self.device)
+            fill_reference(objectives, model, cfg, dp_rank, self.dims.dp_degree, self.dims.tp, self.device, resumed)
         # the policy around each step: the groups of a fault-tolerant job (sync or DiLoCo); one that does nothing
         self.replicas = replica_groups(
             cfg, self.state, self.env, checkpointer=self.checkpointer, hang=self.hang, check_finite=self.check_finite,
@@ -220,7 +221,8 @@ class Trainer:
         """
         if global_tokens is None:
             # Counted on the device: a blocking host-to-device copy would be a host sync every step.
-            count = sum(counted_labels(mb[1].to(self.device, non_blocking=True)) for mb in microbatches)
+            count = sum(self.objective.counted(mb[1].to(self.device, non_blocking=True)) for mb in microbatches)
+            count = torch.as_tensor(count, device=self.device)  # (pairs: a number of rows, known on the host)
             dist.all_reduce(count)
             # the cp and tp ranks of a dp rank hold the same labels
             global_tokens = count // (self.dims.tp * self.dims.cp * self.dims.pp)
@@ -326,8 +328,9 @@ class Trainer:
         if not out.committed:
             return
         self.state.tokens_seen += data.global_tokens  # padding is not a token trained on
+        rows = 2 if self.cfg.dpo.enable else 1  # a preference pair is two sequences
         for i, n in enumerate(data.sequences_by_source):
-            self.tokens_by_source[i] += n * self.cfg.training.seq_len
+            self.tokens_by_source[i] += n * rows * self.cfg.training.seq_len
         # tokens/s and MFU per rank: the pp x cp x tp ranks of a dp rank share its tokens (and FLOPs)
         self.metrics.step_done(self.step, data.local_tokens / (self.dims.tp * self.dims.cp * self.dims.pp))
         self._track_non_finite(out)

@@ -185,6 +185,9 @@ class CheckpointManager:
         outer = self.parts["optimizer"].outer  # DiLoCo: loaded when the checkpoint holds it, else started afresh
         if outer is not None:
             outer.in_checkpoint = {k.split(".")[0] for k in saved_shapes(read_metadata(info.path), "optimizer.diloco.")}
+        if self.state.reference_logps:  # [dpo] precomputed tables: loaded when saved (preference/ says if one lacks)
+            saved = saved_shapes(read_metadata(info.path), "train_state.reference_logps.")
+            self.parts["train_state"].tables_saved = set(saved)
         # DCP calls each part's state_dict() for the destination and load_state_dict() afterwards.
         try:
             safe_dcp_load({n: part for n, part in self.parts.items() if n in self.wanted}, info.path)
@@ -200,6 +203,7 @@ class CheckpointManager:
         finally:
             if outer is not None:
                 outer.in_checkpoint = outer.PARTS  # every save holds it all
+            self.parts["train_state"].tables_saved = None
         skipped = sorted(set(CHECKPOINT_PARTS) - self.wanted)
         note = f", not {skipped} (checkpoint.exclude_from_loading)" if skipped else ""
         logger.info(
@@ -215,7 +219,8 @@ class CheckpointManager:
             return
         position = self.dataloader.state_dict().get("sequence_index", 0)
         old_len, new_len = saved.training.seq_len, self.job_cfg.training.seq_len
-        if "dataloader" in self.wanted and old_len != new_len:  # keep the position in tokens, not sequences
+        pairs = self.job_cfg.data.format == "preference"  # a position in pairs: the same whatever the seq_len
+        if "dataloader" in self.wanted and old_len != new_len and not pairs:  # keep the position in tokens
             self.dataloader.load_state_dict({"sequence_index": math.ceil(position * (old_len + 1) / (new_len + 1))})
         scheduler = self.parts["lr_scheduler"]
         lr = scheduler.lr_scheduler.get_last_lr()[-1]  # optimizer.lr's group

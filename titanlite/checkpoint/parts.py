@@ -123,6 +123,7 @@ class TrainStatePart(Stateful):
 
     def __init__(self, owner, device: torch.device):
         self.owner, self.device = owner, device
+        self.tables_saved: set[str] | None = None  # while loading: the reference tables the checkpoint holds
 
     def _device_rng(self):
         return getattr(torch, self.device.type) if self.device.type != "cpu" else None
@@ -136,8 +137,12 @@ class TrainStatePart(Stateful):
             "rng_device_type": self.device.type,
             "rng_device": device_mod.get_rng_state().numpy().tobytes() if device_mod else b"",
             "rng_python": random.getstate(),
-            **{f"reference_logps.{k}": t for k, t in getattr(self.owner, "reference_logps", {}).items()},
+            **{f"reference_logps.{k}": t for k, t in self._tables().items()},
         }
+
+    def _tables(self) -> dict:
+        tables = getattr(self.owner, "reference_logps", {})
+        return {k: t for k, t in tables.items() if self.tables_saved is None or k in self.tables_saved}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.owner.step = int(state_dict["step"])
@@ -147,5 +152,5 @@ class TrainStatePart(Stateful):
         if device_mod and state_dict["rng_device"] and state_dict["rng_device_type"] == self.device.type:
             device_mod.set_rng_state(torch.frombuffer(bytearray(state_dict["rng_device"]), dtype=torch.uint8))
         random.setstate(state_dict["rng_python"])
-        for key in getattr(self.owner, "reference_logps", {}):
+        for key in self._tables():
             self.owner.reference_logps[key] = state_dict[f"reference_logps.{key}"]

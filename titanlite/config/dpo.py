@@ -70,6 +70,11 @@ def dpo_problem(cfg) -> str | None:
             "policy is the whole model, so it has no base apart from itself); valid: lora.enable = true, or "
             "dpo.reference = 'copy' (a frozen copy of the initial weights) or 'precomputed'"
         )
+    if d.label_smoothing and d.loss == "ipo":
+        return (
+            f"dpo.label_smoothing = {d.label_smoothing} with dpo.loss = 'ipo': IPO's squared loss has no label "
+            "smoothing; valid: dpo.label_smoothing = 0, or dpo.loss = 'sigmoid' (conservative DPO) or 'simpo'"
+        )
     p = cfg.parallelism
     for key, value in (
         ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree),

@@ -227,7 +227,12 @@ def check_data(cfg: JobConfig, tokenizer) -> None:
         ("validation", validation_specs(cfg) if cfg.validation.enable else []),
     ):
         if cfg.data.store == "none" and (len(specs) > 1 or cfg.data.format != "text"):
-            what = f"a mixture of {len(specs)} datasets" if len(specs) > 1 else f"data.format = {cfg.data.format!r}"
+            data = "chat data" if cfg.data.format == "chat" else "preference pairs"
+            what = (
+                f"a mixture of {len(specs)} datasets"
+                if len(specs) > 1
+                else f"{data} (data.format = {cfg.data.format!r})"
+            )
             raise ConfigError(f"{which}.dataset: {what} needs token stores; valid: data.store = 'auto'")
         for spec, _ in specs:
             encoder = make_encoder(cfg, tokenizer, spec)

@@ -43,7 +43,7 @@ def preference_pairs(conversations: list[dict]) -> list[dict]:
         first = next(j for j, m in enumerate(messages) if m["role"] == "assistant")
         reply = messages[first]["content"]
         words = reply.split()
-        if i % 2 == 0 and len(words) > 3:
+        if i % 2 == 0 and len(set(words)) > 3:  # (words that all differ from each other: a shuffle changes them)
             shuffled = words[:]
             while shuffled == words:
                 rng.shuffle(shuffled)

@@ -63,7 +63,7 @@ class PairLayout:
             keep, front = fits, np.zeros_like(prompt)
         self.kept = np.flatnonzero(keep)
         self.dropped, self.cut = int((~keep).sum()), int((~fits & keep).sum())
-        self._front = front  # prompt tokens cut at its start, per pair
+        self._front, self._prompt = front, prompt  # per pair: prompt tokens cut at its start, and before the cut
         self._len = np.minimum(np.stack([chosen_len, rejected_len]) - front, self.window)  # kept tokens per row
         real = self._len[:, self.kept].sum(axis=0) - 2  # inputs that are not padding, both rows
         self._real, self.num_windows = real, len(self.kept)
@@ -105,6 +105,10 @@ class PairLayout:
             starts = [0, n] if n < self.window else [0]
             windows.append(Window(tokens, _positions(starts, self.window), mask, n))
         return PairWindows(windows[0], windows[1], pair)
+
+    def counted_tokens(self) -> np.ndarray:
+        """(pairs, 2): the labels that count in each pair's chosen and rejected rows as read (kept pairs)."""
+        return self._len.T - (self._prompt - self._front)[:, None]
 
     def counted(self, index: int) -> int:
         """What global sequence `index` counts for in the loss's normalization: one pair."""

@@ -8,7 +8,8 @@ conversations (TRL's implicit-prompt form) takes their shared leading messages a
 Each response is rendered with the chat template after the prompt (the same template code as chat SFT): the prompt
 with the generation prompt is tokenized once, each response's text after it on its own, so both documents start with
 the same prompt tokens and a token never straddles the prompt and a response. Only the response's tokens (its
-end-of-turn included) count; the store holds document 2i = pair i's chosen, 2i+1 = its rejected.
+end-of-turn included) count; the store holds document 2i = pair i's chosen, 2i+1 = its rejected. Whole conversations
+in chosen and rejected beside a prompt field (UltraFeedback's layout) are read as the implicit form.
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ class PreferenceEncoder:
             missing = [f for f, v in ((chosen_field, chosen), (rejected_field, rejected)) if v is None]
             return f"no '{missing[0]}' field"
         prompt = record.get(prompt_field)
-        if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):
-            shared = 0  # the implicit prompt: the leading messages both conversations share
+        whole = all(isinstance(v, list) and len(v) > 1 for v in (chosen, rejected))
+        if (prompt is None or whole) and isinstance(chosen, list) and isinstance(rejected, list):
+            # the implicit prompt: the leading messages both conversations share (a prompt field beside whole
+            # conversations, as UltraFeedback's, repeats their first user turn)
+            shared = 0
             while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
                 shared += 1
             prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]

@@ -8,6 +8,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from titanlite.errors import ConfigError
 from titanlite.preference.losses import model_sequence_logps, pair_losses
 from titanlite.preference.reference import AdaptersOff, FrozenCopy, Precomputed, frozen_copy_model
 
@@ -42,16 +43,16 @@ class PreferenceObjective:
         policy, counts = model_sequence_logps(model, inputs, extra, labels)
         c = self.cfg
         losses, chosen, rejected = pair_losses(c.loss, c.beta, policy, reference, counts, c.gamma, c.label_smoothing)
-        stats = torch.stack(
-            [losses.detach().sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum(), torch.tensor(len(losses))]
-        ).double()
+        pairs = torch.ones_like(chosen).sum()  # on the device: no host data, no sync
+        stats = torch.stack([losses.detach().sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum(), pairs])
+        stats = stats.double()
         self._stats = stats if self._stats is None else self._stats + stats
         return losses.sum(), labels
 
     @staticmethod
-    def counted(labels: torch.Tensor) -> torch.Tensor:
+    def counted(labels: torch.Tensor) -> int:
         """What a microbatch counts for in the loss's normalization: its pairs."""
-        return torch.tensor(labels.shape[0] // 2)
+        return labels.shape[0] // 2
 
     def report(self) -> dict[str, float]:
         """The statistics since begin(), over every rank (a collective): mean rewards of chosen and rejected, their
@@ -87,10 +88,23 @@ def build_objective(cfg, state, model_args, meshes, device, copies: int, validat
     return PreferenceObjective(cfg.dpo, train, copies), PreferenceObjective(cfg.dpo, held_out, copies)
 
 
-def fill_reference(objectives, model, cfg, dp_rank: int, dp_degree: int, copies: int, device) -> None:
-    """Compute the precomputed references' tables that a resume did not bring (a fresh start)."""
+def fill_reference(objectives, model, cfg, dp_rank: int, dp_degree: int, copies: int, device, resumed: bool) -> None:
+    """Compute the precomputed references' tables on a fresh start (the initial weights); a resumed run has them from
+    its checkpoint (ConfigError when that lacks pairs this run trains on: its weights are no longer the initial
+    ones)."""
     block_causal = getattr(getattr(model, "args", None), "attention", "causal") == "block_causal"
     for objective in objectives:
         reference = objective.reference
-        if isinstance(reference, Precomputed) and reference.missing():
+        if not isinstance(reference, Precomputed):
+            continue
+        if resumed and (reference.missing() or reference.changed()):
+            what = "has no" if reference.missing() else "has other tokens' (another cut of the pairs) as"
+            raise ConfigError(
+                f"dpo.reference = 'precomputed': the checkpoint this run resumes from {what} reference "
+                f"log-probabilities for {reference.name} pairs this run trains on (it was saved with another "
+                "dpo.reference, without validation, or with another training.seq_len, data.pair_truncation or "
+                "dataset), and the weights are no longer the initial ones to compute them; valid: the settings the "
+                "run was saved with, or a new run (another job.dump_folder)"
+            )
+        if reference.missing():
             reference.compute(model, cfg.training.local_batch_size, dp_rank, dp_degree, copies, device, block_causal)

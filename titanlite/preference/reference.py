@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from titanlite.checkpoint.initial import load_initial_weights
 from titanlite.checkpoint.lora_io import load_peft_adapter
+from titanlite.loss import IGNORE_INDEX
 from titanlite.model_builder import build_model
 from titanlite.models.eval_mode import eval_mode
 from titanlite.models.lora import adapters_disabled
@@ -54,14 +56,16 @@ class FrozenCopy:
 
 
 class Precomputed:
-    """reference = 'precomputed': a table of (chosen, rejected) log-probabilities per pair of every source, held in
-    the run state (`state.reference_logps`, NaN where not computed) so that checkpoints keep it."""
+    """reference = 'precomputed': a table per pair of every source, held in the run state (`state.reference_logps`,
+    NaN where not computed) so that checkpoints keep it: the chosen and rejected log-probabilities, and the labels
+    each row counted (a resume checks them against its own cut of the pairs)."""
 
     def __init__(self, state, name: str, layouts: list):
         self.state, self.name, self.layouts = state, name, layouts
         sizes = [layout.num_pairs for layout in layouts]
         self.offsets = torch.tensor([0, *sizes]).cumsum(0)[:-1]
-        state.reference_logps[name] = torch.full((sum(sizes), 2), float("nan"))  # the shape a resume loads into
+        state.reference_logps[name] = torch.full((sum(sizes), 4), float("nan"))  # the shape a resume loads into
+        self._on_device: tuple | None = None  # (the table it copies, the copy, the offsets) on the compute device
 
     @property
     def table(self) -> torch.Tensor:
@@ -69,13 +73,30 @@ class Precomputed:
 
     def logps(self, inputs, extra: list, labels, pairs) -> torch.Tensor:
         """The table's values for the microbatch's pairs, as rows (the b chosen, then the b rejected)."""
-        rows = self.table[self.offsets[pairs[:, 0]] + pairs[:, 1]]
-        return torch.cat([rows[:, 0], rows[:, 1]]).to(labels.device)
+        table, offsets = self._device_table(labels.device)
+        keys = pairs.to(labels.device, non_blocking=True)  # (pinned with the microbatch on GPUs: no sync)
+        rows = table[offsets[keys[:, 0]] + keys[:, 1]]
+        return torch.cat([rows[:, 0], rows[:, 1]])  # (columns 2 and 3: the labels counted, for changed())
+
+    def _device_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table and the sources' offsets on the compute device, copied once per table (a load replaces it)."""
+        if self._on_device is None or self._on_device[0] is not self.table or self._on_device[1].device != device:
+            self._on_device = (self.table, self.table.to(device), self.offsets.to(device))
+        return self._on_device[1], self._on_device[2]
 
     def missing(self) -> bool:
         """Whether some kept pair has no value yet (a fresh start, not a resume)."""
         table = self.table
         return any(bool(table[o + layout.kept].isnan().any()) for o, layout in zip(self.offsets, self.layouts))
+
+    def changed(self) -> bool:
+        """Whether a kept pair's rows count other labels than when its values were computed (training.seq_len or
+        data.pair_truncation changed since): the values would be of other tokens."""
+        for o, layout in zip(self.offsets, self.layouts):
+            now = torch.from_numpy(layout.counted_tokens()[layout.kept]).to(self.table.dtype)
+            if not torch.equal(self.table[o + layout.kept][:, 2:], now):
+                return True
+        return False
 
     @torch.no_grad()
     def compute(self, model: torch.nn.Module, local_batch_size: int, dp_rank: int, dp_degree: int, copies: int,
@@ -97,9 +118,11 @@ class Precomputed:
                 windows = [self.layouts[s].read_pair(p) for s, p in mine]
                 mb = self.layouts[0].microbatches(windows, [s for s, _ in mine], local_batch_size)[0]
                 extra = [mb.positions.to(device)] if block_causal else []
-                logps = _forward_logps(model, mb.inputs.to(device), extra, mb.labels.to(device))
+                labels = mb.labels.to(device)
+                logps = _forward_logps(model, mb.inputs.to(device), extra, labels)
+                counted = (labels != IGNORE_INDEX).sum(dim=1).to(logps.dtype)
                 index = (self.offsets[mb.pairs[:real, 0]] + mb.pairs[:real, 1]).to(device)
-                table[index] = torch.stack(logps.chunk(2), dim=1)[:real]
+                table[index] = torch.stack([*logps.chunk(2), *counted.chunk(2)], dim=1)[:real]
         if dist.is_initialized():
             dist.all_reduce(table)
         table /= copies
@@ -116,6 +139,9 @@ class Precomputed:
 def frozen_copy_model(cfg, model_args, meshes, device: torch.device) -> torch.nn.Module:
     """A second model built and sharded as the policy, holding the initial weights (checkpoint.initial_load_path, or
     the seed's; with LoRA, lora.initial_adapter_path's adapters)."""
+    # resharded after every forward: no backward ever frees the gathered weights of the units FSDP keeps gathered
+    # for backward (the last one; every one with reshard "never")
+    cfg = replace(cfg, parallelism=replace(cfg.parallelism, fsdp_reshard_after_forward="always"))
     model = build_model(cfg, model_args, meshes).model
     model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else device)
     materialize_nf4(model)
