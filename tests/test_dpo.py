@@ -522,7 +522,7 @@ def _resume(tmp):
         "--validation.freq", "2", "--validation.steps", "1", "--job.dump_folder", f"{tmp}/resume",
     )  # fmt: skip
     logs = capture_logs()
-    straight = make_trainer(argv)
+    straight = make_trainer([*argv, "--metrics.enable_tensorboard"])
     straight_log, straight_losses = _record(straight), straight.train()
     computed = [line for line in logs if line.startswith("Reference log-probabilities")]
     again = make_trainer([*argv, "--checkpoint.load_step", "2"])
@@ -589,6 +589,16 @@ def test_dpo_at_every_topology_with_each_reference_and_exact_resume(tmp_path):
     assert resume["validation"][1][4] == resume["validation"][0][4]
     for step in range(1, 5):
         _close(resume["straight"][step], one["precomputed"][step], "fsdp2_precomputed")
+    # TensorBoard holds the step line's rewards and the held-out pairs' (W&B gets the same scalars)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in (tmp_path / "resume").rglob("events.out.tfevents.*")}
+    board = EventAccumulator(str(events))
+    board.Reload()
+    for tag in ("dpo/reward_chosen", "dpo/reward_rejected", "dpo/margin", "dpo/accuracy"):
+        written = {e.step: e.value for e in board.Scalars(tag)}
+        assert written == pytest.approx({s: v[2][tag[4:]] for s, v in resume["straight"].items()}, abs=1e-6), tag
+    assert [e.step for e in board.Scalars("validation/dpo/accuracy")] == [2, 4]
     # a DPO checkpoint (its run state holds the reference table) exports as after SFT; transformers loads it whole
     out = tmp_path / "exported"
     step2 = tmp_path / "resume" / "checkpoint" / "step-2"
