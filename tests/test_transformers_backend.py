@@ -1,6 +1,7 @@
 """The transformers backend (model.name = "transformers"): tiny random models of the architectures people fine-tune
 now, saved by transformers, give transformers' own logits, the same losses at 1 process and FSDP(2) (and HSDP 2x2),
-an exact resume on another topology, an HF export transformers loads with equal logits, and one-line refusals."""
+an exact resume on another topology, an HF export transformers loads with equal logits, LoRA and QLoRA by the
+models' own linear names, and one-line refusals."""
 
 from __future__ import annotations
 
@@ -172,11 +173,6 @@ REFUSALS = [
     ),
     (["--parallelism.context_parallel_degree", "2"], r"context parallelism is not available .* native families"),
     (
-        ["--lora.enable", "true", "--lora.base_dtype", "nf4"],
-        r"lora.base_dtype = 'nf4' \(QLoRA; 'bfloat16' halves the "
-        r"base\) is not available for model.name = 'transformers' \(phi3\)",
-    ),
-    (
         ["--lora.enable", "true", "--lora.targets", "qkv_proj,q_proj"],
         r"q_proj: phi3's decoder layers have no nn.Linear "
         r"of that name .* valid targets for it: o_proj, qkv_proj, gate_up_proj, down_proj",
@@ -311,9 +307,12 @@ def test_packing_is_refused_for_layers_that_carry_state_and_bad_folders_in_one_l
 
 
 # olmo3_config: OLMo 3 from its config.json alone, the weights drawn from the seed; *_lora: LoRA on the folder
+# *_qlora: QLoRA, the base's linears in NF4 (blocks small enough for the tiny shapes), read whole from the folder
+NF4 = ["--lora.base_dtype", "nf4", "--lora.nf4_block_size", "16", "--lora.nf4_scaler_block_size", "8"]
 LORA = {  # name -> its [lora] overrides (peft's names of the model's own linears)
     "phi3_lora": ["--lora.targets", "qkv_proj,gate_up_proj"],
     "qwen3_5_lora": ["--lora.targets", "all"],  # Gated DeltaNet's in_proj_qkv, in_proj_z, ... and attention's
+    "phi3_qlora": ["--lora.targets", "qkv_proj,gate_up_proj", *NF4],
 }
 TRAINED = ["phi3", "gemma3", "qwen3_5", "olmo3", "llama4_text", "deepseek_v32", "qwen3_5_moe", "olmo3_config", *LORA]
 # *_tp: TP(2) x FSDP(2) by the config's base_model_tp_plan (Phi-3's fused projections gathered, Gemma 3's per-head
@@ -327,10 +326,15 @@ EXPORTED = ["gemma3", "qwen3_5"]
 X = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
 
 
+def _base(name: str) -> str:
+    """The folder a run of `name` starts from (phi3_qlora_tp: phi3)."""
+    return name.removesuffix("_tp").removesuffix("_qlora").removesuffix("_lora")
+
+
 def _argv(root, name, run, *extra):
     adapters = LORA.get(name.removesuffix("_tp"))
     lora = ["--lora.enable", "true", "--lora.rank", "4", "--optimizer.lr", "1e-2", *adapters] if adapters else []
-    base = root / name.removesuffix("_tp").removesuffix("_lora")
+    base = root / _base(name)
     return tiny_argv(
         root / run / name, "--model.flavor", "hf", "--checkpoint.initial_load_path", str(base), *lora,
         "--training.steps", "4", "--training.global_batch_size", "4", "--training.local_batch_size", "1",
@@ -398,9 +402,12 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     save_file(mtp, str(tmp_path / "qwen3_5" / "mtp.safetensors"))
     one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
     fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", TRAINED)[0]
-    four = ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora", *TP]  # HSDP(2x2), and TP(2) x FSDP(2)
+    four = ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora", "phi3_qlora", *TP]  # HSDP(2x2), TP(2) x FSDP(2)
     hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", four, 2)[0]
-    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "phi3_lora"])[0]
+    resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "phi3_lora",
+                                                          "phi3_qlora"])[0]  # fmt: skip
+    # the 4-bit base computes other logits than the full-precision one (by little): it was quantized when read
+    assert 1e-4 < abs(one["phi3_qlora"]["losses"][1] - one["phi3_lora"]["losses"][1]) < 0.05
     for name in TRAINED:
         ref = one[name]["losses"]
         assert sorted(ref) == [1, 2, 3, 4] and ref[4] < ref[1], name
@@ -452,16 +459,20 @@ def _check_lora_exports(root, fsdp2):
         for fmt in ("peft", "hf"):
             argv = ["export", "--checkpoint", str(step), "--output", str(root / f"{name}-{fmt}"), "--format", fmt]
             assert checkpoint_command(argv) == 0, (name, fmt)
-        base = transformers.AutoModelForCausalLM.from_pretrained(root / name.removesuffix("_lora"))
+        base = transformers.AutoModelForCausalLM.from_pretrained(root / _base(name))
         adapted = peft.PeftModel.from_pretrained(base, root / f"{name}-peft").eval()
         merged, info = transformers.AutoModelForCausalLM.from_pretrained(root / f"{name}-hf", output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+        qlora = "--lora.base_dtype" in LORA[name]  # the merged export: the base dequantized as training saw it
         with torch.no_grad():
-            assert (adapted(input_ids=X).logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name
+            if not qlora:  # (peft puts QLoRA's adapters on the full-precision base: not what trained them)
+                assert (adapted(input_ids=X).logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name
             assert (merged.eval()(input_ids=X).logits - fsdp2[name]["logits"]).abs().max() < 1e-4, name
         tokenizer = ByteTokenizer()
         ids = tokenizer.with_bos(tokenizer.encode("The cat"))
-        expected = adapted.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        expected = (merged if qlora else adapted).generate(
+            input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None
+        )
         own = ["--config", str(step / "job_config.toml"), "--checkpoint", str(step)]
         text = run([*own, "--prompt", "The cat", "--max-new-tokens", "6", "--temperature", "0"])
         assert text == tokenizer.decode(expected[0, len(ids) :].tolist()), name

@@ -289,10 +289,13 @@ def quorum_id(manager) -> int | None:
     return getattr(manager, "_quorum_id", None)
 
 
-def transformers_load(model, folder: str, files: list[str]):
+def transformers_load(model, folder: str, files: list[str], take: dict | None = None):
     """transformers' own loading of safetensors `files` into `model` (its renamings, fused experts, DTensor shards
-    read in place); its report (missing_keys, unexpected_keys, mismatched_keys). Private API of transformers 5.x
-    (PreTrainedModel._load_pretrained_model): its from_pretrained builds a new model, titanlite's is built sharded."""
+    read in place); its report (missing_keys, unexpected_keys, mismatched_keys). take: state-dict name -> a function
+    that gets that tensor whole as read (QLoRA's 4-bit weights, quantized whole), one at a time, instead of the model.
+    Private API of transformers 5.x (PreTrainedModel._load_pretrained_model and core_model_loading's
+    set_param_for_module): its from_pretrained builds a new model, titanlite's is built sharded."""
+    from transformers import core_model_loading
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
     from transformers.modeling_utils import LoadStateDictConfig
@@ -308,7 +311,20 @@ def transformers_load(model, folder: str, files: list[str]):
         pretrained_model_name_or_path=folder, weight_mapping=text_model + get_model_conversion_mapping(model)
     )
     transformers_logging.disable_progress_bar()
-    info, _ = type(model)._load_pretrained_model(model, None, files, config)
+    set_param = core_model_loading.set_param_for_module
+
+    def set_or_take(model_, target_name, value, loading_info, quantizer):
+        if take and target_name in take:
+            take[target_name](value.detach() if isinstance(value, torch.nn.Parameter) else value)
+            loading_info.missing_keys.discard(target_name)
+            return None
+        return set_param(model_, target_name, value, loading_info, quantizer)
+
+    core_model_loading.set_param_for_module = set_or_take
+    try:
+        info, _ = type(model)._load_pretrained_model(model, None, files, config)
+    finally:
+        core_model_loading.set_param_for_module = set_param
     # what it recorded for saving would write the folder's layout back (a multimodal one's prefixes): the export is
     # the text class's own layout, as for a model built from its config
     vars(model).pop("_weight_conversions", None)

@@ -35,10 +35,6 @@ def problem(cfg, dims, args, inference: bool = False) -> str | None:
         return None
     switches = (
         (cfg.float8.enable, "float8.enable = true"),
-        (
-            cfg.lora.enable and cfg.lora.base_dtype == "nf4",
-            "lora.base_dtype = 'nf4' (QLoRA; 'bfloat16' halves the base)",
-        ),
         (cfg.optimizer.name == "muon", "optimizer.name = 'muon'"),
         (cfg.compile.enable, "compile.enable = true"),
         (cfg.fault_tolerance.enable, "fault_tolerance.enable = true"),

@@ -12,6 +12,8 @@ import glob
 import hashlib
 import logging
 import pathlib
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titanlite.compat import transformers_load
 from titanlite.errors import ConfigError
 from titanlite.models.lora import adapter_init, is_adapter
+from titanlite.models.nf4 import local_nf4, write_full
 
 logger = logging.getLogger("titanlite")
 
@@ -83,6 +86,9 @@ def _init_unit(hf: nn.Module, inside, seed: int) -> list[str]:
     for original, full, name in full_of.values():
         if full.is_floating_point() and torch.isnan(full).any():
             untouched.append(name)
+        if local_nf4(original) is not None:  # QLoRA's base: the whole weight quantized, this rank's rows kept
+            write_full(original, full.detach())
+            continue
         if isinstance(original, DTensor):  # every rank drew the same full tensor: keep the local shard, no comms
             full = distribute_tensor(full.detach(), original.device_mesh, original.placements, src_data_rank=None)
         original.copy_(full.detach())
@@ -134,7 +140,9 @@ def load_folder(hf: nn.Module, folder) -> None:
         return
     before = dict(hf.named_parameters(remove_duplicate=False))
     before.update(dict(hf.named_buffers(remove_duplicate=False)))
-    info = transformers_load(hf, str(folder), files)
+    quantized = {n: p for n, p in before.items() if local_nf4(p) is not None}
+    with _read_whole(hf, quantized):  # QLoRA's 4-bit weights: each read whole, quantized, this rank's rows kept
+        info = transformers_load(hf, str(folder), files, take={n: partial(write_full, p) for n, p in quantized.items()})
     for name, original in before.items():
         owner_name, _, attr = name.rpartition(".")
         owner = hf.get_submodule(owner_name)
@@ -163,6 +171,22 @@ def load_folder(hf: nn.Module, folder) -> None:
             "unchanged"
         )
     init_buffers(hf)
+
+
+@contextmanager
+def _read_whole(hf: nn.Module, quantized: dict[str, torch.Tensor]):
+    """Each NF4 weight set aside for a float32 placeholder of its full shape on the meta device while transformers'
+    loader runs (which then reads it whole, as a plain tensor); put back after."""
+    owners = {n: hf.get_submodule(n.rpartition(".")[0]) for n in quantized}
+    for n, owner in owners.items():
+        owner._parameters[n.rpartition(".")[2]] = nn.Parameter(
+            torch.empty(quantized[n].shape, dtype=torch.float32, device="meta"), requires_grad=False
+        )
+    try:
+        yield
+    finally:
+        for n, owner in owners.items():
+            owner._parameters[n.rpartition(".")[2]] = quantized[n]
 
 
 def save_folder(model: nn.Module, out, dtype: torch.dtype, max_shard_size: str | int = "5GB") -> int:
