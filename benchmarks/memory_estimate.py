@@ -30,6 +30,7 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import tempfile
 
 import torch
@@ -101,7 +102,56 @@ CASES = {
         "--checkpoint.initial_load_path {base} --activation_checkpoint.mode full",
         {"vocab": 4096},
     ),
+    "backend_qwen3_5_fp32": (
+        2,
+        "transformers backend, Qwen3.5 (a Gated DeltaNet and a full-attention layer), FSDP 2, fp32, no AC, vocab 8192",
+        "--model.name transformers --model.flavor hf --checkpoint.initial_load_path {qwen3_5}",
+        {"vocab": 8192},
+    ),
+    "backend_gemma3_bf16_full": (
+        2,
+        "transformers backend, Gemma 3 (a sliding and a full layer), FSDP 2, bf16, full AC, 4 layers, vocab 8192",
+        "--model.name transformers --model.flavor hf --checkpoint.initial_load_path {gemma3} "
+        "--training.mixed_precision_param bfloat16 --activation_checkpoint.mode full",
+        {"vocab": 8192, "layers": 4},
+    ),
 }
+
+# transformers' text configs of the backend cases, at the benchmark's shape (their weights drawn from the seed)
+BACKEND_CONFIGS = {
+    "qwen3_5": lambda o: dict(
+        model_type="qwen3_5_text", layer_types=(["linear_attention", "full_attention"] * o.layers)[: o.layers],
+        linear_num_key_heads=o.hidden // 128, linear_num_value_heads=o.hidden // 64, linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    ),
+    "gemma3": lambda o: dict(
+        model_type="gemma3_text", sliding_window=512,
+        layer_types=(["sliding_attention", "full_attention"] * o.layers)[: o.layers],
+    ),
+}  # fmt: skip
+
+
+def backend_folder(opts, kind: str) -> str:
+    """A folder with the config.json alone of BACKEND_CONFIGS[kind] at the benchmark's shape, written once into the
+    temp folder."""
+    import transformers
+
+    shape = f"{opts.layers}x{opts.hidden}x{opts.intermediate}x{opts.head_dim}-{opts.vocab}"
+    path = os.path.join(tempfile.gettempdir(), f"titanlite-backend-{kind}-{shape}")
+    if not os.path.exists(path):
+        kw = BACKEND_CONFIGS[kind](opts)
+        config = transformers.AutoConfig.for_model(
+            kw.pop("model_type"), vocab_size=opts.vocab, hidden_size=opts.hidden, intermediate_size=opts.intermediate,
+            num_hidden_layers=opts.layers, num_attention_heads=opts.hidden // opts.head_dim,
+            num_key_value_heads=opts.hidden // opts.head_dim, head_dim=opts.head_dim,
+            max_position_embeddings=opts.seq_len, tie_word_embeddings=False, **kw,
+        )  # fmt: skip
+        config.save_pretrained(f"{path}.{os.getpid()}.tmp")
+        try:
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
+        except OSError:  # another rank's is there already (the same config)
+            shutil.rmtree(f"{path}.{os.getpid()}.tmp")
+    return path
 
 
 def _settings(name: str, opts) -> dict:
@@ -109,8 +159,12 @@ def _settings(name: str, opts) -> dict:
     overrides = CASES[name][2]
     if "{base}" in overrides:
         overrides = overrides.replace("{base}", common.lora_base(opts))
+    for kind in BACKEND_CONFIGS:
+        if f"{{{kind}}}" in overrides:
+            overrides = overrides.replace(f"{{{kind}}}", backend_folder(opts, kind))
     accumulation = 2 if name.endswith("_accum") else 1
-    extra = ("--model.vocab_size", str(opts.vocab), *overrides.split())
+    backend = "--model.name transformers" in overrides  # (its vocabulary is its config.json's)
+    extra = (*(() if backend else ("--model.vocab_size", str(opts.vocab))), *overrides.split())
     return dict(local_batch_size=1, accumulation=accumulation, replicate=1, extra=extra)
 
 

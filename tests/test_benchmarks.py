@@ -160,3 +160,15 @@ def test_dpo_benchmark_prints_the_references_table():
     for reference in ("copy", "base", "precomputed"):
         assert re.search(rf"^{reference}\s+\d+\s+x[\d.]+$", out, re.M), out
     assert re.search(r"precomputed: the table of 8 pairs took [\d.]+ s before step 1", out), out
+
+
+def test_backend_verdicts_size_a_published_shape_three_ways(tmp_path):
+    """Gemma 3 27B's text config at a short sequence: full fine-tuning on 8 GPUs, LoRA and QLoRA on one, each sized
+    with the activations measured on fake tensors; the 4-bit base holds less than the bf16 one."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "verdicts.json"
+    _bench("backend_verdicts.py", "--models", "gemma3_27b", "--seq-len", "512", "--json", str(out))
+    figures = json.loads(out.read_text())
+    assert len(figures) == 3 and all(f["fits"] and f["params"].startswith("27.") for f in figures.values()), figures
+    lora, qlora = (next(f for k, f in figures.items() if kind in k) for kind in ("/ LoRA", "/ QLoRA"))
+    assert qlora["peak_gib"] < lora["peak_gib"] - 20 and qlora["largest_batch"] > lora["largest_batch"], figures

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import (
 
 # Selective "op" checkpointing keeps these outputs and recomputes everything else (norms, RoPE,
 # activations, residual adds): the matmuls and attention are the expensive ops to run twice.
-_AC_SAVE_OPS = [
+AC_SAVE_OPS = [
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,  # a linear with a bias (Qwen2's q/k/v)
     torch.ops.aten._grouped_mm.default,  # an MoE's experts
@@ -35,7 +35,7 @@ SAC_IGNORED_OPS.update(
     for overload in getattr(torch.ops.profiler, name).overloads()
 )
 
-_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._grouped_mm.default)
+AC_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._grouped_mm.default)
 
 
 def _every_second_matmul_context():
@@ -45,12 +45,12 @@ def _every_second_matmul_context():
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx, func, *args, **kwargs):
-        if func in _MATMULS:
+        if func in AC_MATMULS:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
             keep = counts[key] % 2 == 1
         else:
-            keep = func in _AC_SAVE_OPS
+            keep = func in AC_SAVE_OPS
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
@@ -110,7 +110,7 @@ def apply_ac(model: nn.Module, ac_cfg) -> list[int]:
         if getattr(ac_cfg, "selective_op_policy", "all_matmuls") == "every_second_matmul":
             context_fn = _every_second_matmul_context
         else:
-            context_fn = partial(create_selective_checkpoint_contexts, _AC_SAVE_OPS)
+            context_fn = partial(create_selective_checkpoint_contexts, AC_SAVE_OPS)
     for i in wrapped:
         _checkpoint_forward(model.layers[i], context_fn)
     return wrapped

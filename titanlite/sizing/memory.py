@@ -95,6 +95,7 @@ def activation_bytes(
     ep: int = 1,
     frozen_norms: bool = False,
     cp: int = 1,
+    layer_bytes: list[dict[str, int]] | None = None,
 ) -> dict[str, int]:
     """Peak activation bytes of one microbatch of `tokens` tokens on one rank, by part (and 'total').
 
@@ -109,10 +110,12 @@ def activation_bytes(
     receive EP_IMBALANCE times the average tokens for the experts' kept activations. frozen_norms: the norms'
     weights get no gradients (a LoRA base), so they keep less (activations.block_activation_bytes). cp: context
     parallelism, `tokens` being this rank's part of the sequences; attention keeps the gathered keys and values.
+    layer_bytes: each block's bytes per token by AC mode, measured (a transformers backend model's), instead of the
+    formula's.
     """
     sp = tp > 1 and sequence_parallel
     kept, rebuilt = block_bytes(
-        args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel, ep, frozen_norms, cp
+        args, 1, act_bytes, wrapped, op_sac, op_policy, tp, sequence_parallel, ep, frozen_norms, cp, layer_bytes
     )
     blocks = sum(kept)
     vocab = args.vocab_size // tp if loss_parallel or loss_chunk_tokens > 0 else args.vocab_size
@@ -144,13 +147,18 @@ def block_bytes(
     ep: int = 1,
     frozen_norms: bool = False,
     cp: int = 1,
+    layer_bytes: list[dict[str, int]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Per block (arguments as activation_bytes'): the bytes it keeps for backward, and the bytes its backward
     rebuilds on top of them (a checkpointed block's whole forward; 0 for the others; under expert parallelism also
     the token exchange, and the experts' share grows by EP_IMBALANCE)."""
     kept, rebuilt = [], []
     for i in range(args.n_layers):
-        per_block = dict(block_activation_bytes(args, act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms, cp, i))
+        per_block = dict(
+            layer_bytes[i]
+            if layer_bytes
+            else block_activation_bytes(args, act_bytes, tp, tp > 1 and sequence_parallel, frozen_norms, cp, i)
+        )
         transient = 0.0
         if args.is_moe_layer(i) and ep > 1:
             for mode, experts in expert_activation_bytes(args, act_bytes, tp).items():

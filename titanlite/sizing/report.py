@@ -116,7 +116,20 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
         ep=plan.dims.ep,
         frozen_norms=cfg.lora.enable,
         cp=plan.dims.cp,
+        layer_bytes=measured_layer_bytes(cfg, plan),
     )
+
+
+def measured_layer_bytes(cfg, plan) -> list[dict[str, int]] | None:
+    """A transformers backend model's per-layer activation bytes per token, measured on fake tensors (its layers
+    have no formula); None for the native families."""
+    if plan.model_args.family != BACKEND or plan.dims.tp > 1:  # (TP: each rank's share, not measured: the formula)
+        return None
+    from titanlite.sizing.backend_activations import layer_activation_bytes
+
+    t = cfg.training
+    lora = cfg.lora if cfg.lora.enable else None
+    return layer_activation_bytes(plan.model_args, t.seq_len, dtype_bytes(t.mixed_precision_param), lora)
 
 
 def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dict[str, int]) -> me.BackwardPeak:
@@ -139,6 +152,7 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dic
         plan.dims.ep,
         cfg.lora.enable,
         plan.dims.cp,
+        measured_layer_bytes(cfg, plan),
     )
     return me.backward_peak(
         est.units,
@@ -347,7 +361,7 @@ def report(cfg, plan, world_size: int, where: str, gpu_mem_gib: float) -> tuple[
             ),  # fmt: skip
             *([row("reference", "DPO: the frozen copy's parameter shards", est.reference)] if est.reference else []),
             row("FSDP buffers", "at the peak: gathered units + unsharded grads", buffers),
-            row("activations", _activation_text(tokens, p_dtype, ac_label(ac)) + _approximate(args), act["total"]),
+            row("activations", _activation_text(tokens, p_dtype, ac_label(ac)) + _how(args, plan), act["total"]),
         ]
         + [row("", f"  {k}", v) for k, v in act.items() if k != "total"]
         + [
@@ -391,6 +405,9 @@ def _dpo_lines(cfg) -> list[str]:
     ]
 
 
-def _approximate(args) -> str:
-    """A transformers backend model's activations are the native decoder's per-layer estimate at its sizes."""
-    return " (approx.)" if args.family == BACKEND else ""
+def _how(args, plan) -> str:
+    """How a transformers backend model's activations are counted: its layers' forward on fake tensors, or under
+    tensor parallelism the native decoder's per-layer formula at its sizes."""
+    if args.family != BACKEND:
+        return ""
+    return " (approx.)" if plan.dims.tp > 1 else " (measured)"
