@@ -375,6 +375,34 @@ def _train_each(root, run: str, names, replicate: int = 1):
         with torch.no_grad():
             logits = t.model.eval()(X)  # (split over the vocabulary under TP's loss parallelism)
             out[name] = {"losses": losses, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits}
+    if run == "fsdp2":
+        out["sampled"] = _sample_sharded(root)
+    return out
+
+
+SAMPLED = ["phi3", "qwen3_5"]  # greedy generation with the weights sharded (FSDP(2), and replicated over 2)
+PROMPT = [5, 17, 42, 99, 7, 3, 250]
+
+
+def _sample_sharded(root):
+    """Each SAMPLED folder's greedy continuation of PROMPT, its weights sharded over (replicate, shard) = (1, 2) and
+    (2, 1) for inference, as `python -m titanlite.generate` under torchrun builds it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from titanlite.config import load
+    from titanlite.generation import generate, inference_model, load_weights
+    from titanlite.parallel.dims import ParallelDims
+
+    out = {}
+    for name in SAMPLED:
+        cfg = load(_argv(root, name, "sampled"))
+        for replicate, shard in ((1, 2), (2, 1)):
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, world_size=dist.get_world_size())
+            model = inference_model(cfg, VOCAB, torch.device("cpu"), dims.build_meshes("cpu"))
+            assert isinstance(model.layers[0], FSDPModule)
+            load_weights(model, root / name)
+            out[(name, replicate, shard)] = generate(model, PROMPT, 12)
     return out
 
 
@@ -419,6 +447,11 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
         ref = one[name.removesuffix("_tp")]
         assert all(abs(hsdp[name]["losses"][s] - ref["losses"][s]) < 1e-5 for s in ref["losses"]), (name, hsdp[name])
         assert (hsdp[name]["logits"] - ref["logits"]).abs().max() < 1e-4, name
+    for name in SAMPLED:  # sharded generation: transformers' greedy generate on the folder
+        reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+        for mesh in ((1, 2), (2, 1)):
+            assert fsdp2["sampled"][(name, *mesh)] == expected[0, len(PROMPT) :].tolist(), (name, mesh)
     for name in RECOMPUTED:
         assert one[f"{name}-recomputed"]["losses"] == pytest.approx(one[name]["losses"], abs=1e-6), name
     assert sorted(one["olmo3-recomputed"]["validation"]) == [2, 4]
@@ -434,9 +467,15 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     ]:
         back, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
-        if name == "qwen3_5":  # the MTP head and the vision tower the class sets aside, carried unchanged
+        if name in ("qwen3_5", "gemma3"):  # multimodal folders: exported in their layout, their vision towers (and
+            # Qwen3.5's MTP head) carried unchanged; AutoModelForCausalLM opens Gemma 3's as its multimodal class
             index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-            assert any(k.startswith("model.visual.") for k in index), sorted(index)[:5]
+            assert json.loads((folder / "config.json").read_text())["model_type"] == name
+            source = load_file(str(tmp_path / name / "model.safetensors"))
+            assert not set(source) - set(index), sorted(set(source) - set(index))[:5]  # every tensor, by its name
+            towers = [k for k in source if k.startswith(("model.visual.", "vision_tower.", "multi_modal_projector."))]
+            assert towers and all(torch.equal(load_file(str(folder / index[k]))[k], source[k]) for k in towers)
+        if name == "qwen3_5":
             carried = load_file(str(folder / index["mtp.fc.weight"]))
             assert all(torch.equal(carried[k], mtp[k]) for k in mtp)
         with torch.no_grad():

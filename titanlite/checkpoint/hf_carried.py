@@ -22,6 +22,7 @@ import logging
 import math
 import pathlib
 import re
+import shutil
 import struct
 
 try:
@@ -186,20 +187,26 @@ def _append_files(out: pathlib.Path, groups: list[dict], read) -> None:
 
 
 def carry_backend_tensors(out: pathlib.Path, set_aside: list[str], initial_load_path: str, max_file_bytes: int) -> int:
-    """Add to a transformers-backend export `out` the tensors of the folder the run started from whose names match
-    the class's set_aside patterns (re.search) and that the export lacks; returns how many were added."""
+    """Add to a transformers-backend export `out` the tensors of the folder the run started from that it does not
+    train: those whose names match the class's set_aside patterns (re.search), and when that folder is a multimodal
+    model's, every tensor outside its text model (its vision tower, projector, MTP head), the export then written in
+    that folder's layout (multimodal_layout); returns how many were added."""
     folder, why = _source_folder(initial_load_path)
-    if folder is None or not set_aside:
+    if folder is None:
         if why:
             logger.warning(
                 f"{shown(out)}: tensors of the starting folder that the model does not train are not in it: {why}"
             )
         return 0
     _ensure_index(out)
+    text = multimodal_layout(out, folder)
     have = set(json.loads((out / INDEX).read_text())["weight_map"])
     found: dict[str, str] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        found.update({n: file.name for n in _header(file) if n not in have and any(re.search(p, n) for p in set_aside)})
+        found.update({
+            n: file.name for n in _header(file)
+            if n not in have and (any(re.search(p, n) for p in set_aside) or (text and not n.startswith(text)))
+        })  # fmt: skip
     if not found:
         return 0
     sizes = {n: b for file in sorted(set(found.values())) for n, b in _header(folder / file).items() if n in found}
@@ -213,9 +220,47 @@ def carry_backend_tensors(out: pathlib.Path, set_aside: list[str], initial_load_
     _append_files(out, groups, lambda names: _read(folder, found, {}, names))
     logger.info(
         f"{shown(out)}: carried {len(found):,} tensors of {folder} that the model does not train unchanged (e.g. "
-        f"{sorted(found)[0]}; {', '.join(set_aside)})"
+        f"{sorted(found)[0]})"
     )
     return len(found)
+
+
+# Where a multimodal folder keeps its text model (transformers 5's layout, then Gemma 3's first releases'), and its
+# output projection
+TEXT_PREFIXES = (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head."))
+
+
+def multimodal_layout(out: pathlib.Path, folder: pathlib.Path) -> tuple[str, ...]:
+    """When `folder` (the one the run started from) is a multimodal model's, rename the export `out`'s text-model
+    tensors as that folder names them and give it that folder's config.json (in the export's dtype) and processor
+    settings, so that it loads as the multimodal model; the name prefixes of its text model ((): not multimodal)."""
+    config = json.loads((folder / CONFIG).read_text())
+    names = {n for file in folder.glob("*.safetensors") for n in _header(file)}
+    prefixes = next((p for p in TEXT_PREFIXES if f"{p[0]}embed_tokens.weight" in names), None)
+    if "text_config" not in config or prefixes is None:
+        return ()
+    model, head = prefixes
+    index = json.loads((out / INDEX).read_text())
+    renamed = {n: model + n[len("model.") :] if n.startswith("model.") else head + n[len("lm_head.") :]
+               for n in index["weight_map"]}  # fmt: skip
+    for file in sorted(set(index["weight_map"].values())):
+        with safetensors_module().safe_open(str(out / file), framework="pt") as h:
+            tensors = {renamed[n]: h.get_tensor(n) for n in h.keys()}
+        save_safetensors(tensors, out / file)
+    index["weight_map"] = {renamed[n]: f for n, f in index["weight_map"].items()}
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+    dtype = json.loads((out / CONFIG).read_text()).get("dtype")
+    for part in (config, config["text_config"]):
+        part.update({key: dtype for key in ("dtype", "torch_dtype") if key in part or key == "dtype"})
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    for extra in sorted(folder.glob("*processor*.json")):  # its image (and video) processor's settings
+        if not (out / extra.name).exists():
+            shutil.copyfile(extra, out / extra.name)
+    logger.info(
+        f"{shown(out)}: written in the layout of {folder}, a multimodal model's: its text model as {model}*, its "
+        "config.json, and its other tensors carried unchanged (it loads as that multimodal model)"
+    )
+    return model, head
 
 
 def _ensure_index(out: pathlib.Path) -> None:

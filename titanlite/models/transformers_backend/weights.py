@@ -167,8 +167,7 @@ def load_folder(hf: nn.Module, folder) -> None:
         logger.warning(
             f"{folder}: {len(info.unexpected_keys)} tensors that the text model does not hold are left out (e.g. "
             f"{sorted(info.unexpected_keys)[0]}; a vision tower or multi-token-prediction layers): not trained; HF "
-            "exports carry those the model's class sets aside on load (its MTP layers, Qwen3.5's vision tower) "
-            "unchanged"
+            "exports carry them unchanged (a multimodal folder's export keeps its layout)"
         )
     init_buffers(hf)
 
