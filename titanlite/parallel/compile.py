@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 
 from titanlite.compat import cpp_compiler_error, has_triton
@@ -39,11 +40,14 @@ def apply_compile(model: nn.Module, compile_cfg) -> int:
     """torch.compile each block of `model.layers` in place (after apply_ac, before fully_shard); returns the count.
 
     `Module.compile` keeps the module and its parameter names; identical blocks share one compiled graph. An MoE
-    block may break its graph where the routing's counts decide sizes (the token exchange reads them on the host).
+    block may break its graph where the routing's counts decide sizes (the token exchange reads them on the host);
+    so may a model that says so (compile_fullgraph = False), whose eager_modules() run uncompiled inside their blocks.
     """
     if not compile_cfg.enable:
         return 0
-    whole = not getattr(getattr(model, "args", None), "moe", False)
+    whole = getattr(model, "compile_fullgraph", True) and not getattr(getattr(model, "args", None), "moe", False)
+    for module in model.eager_modules() if hasattr(model, "eager_modules") else ():
+        module.forward = torch.compiler.disable(module.forward, recursive=True)
     for block in model.layers:
         block.compile(backend=compile_cfg.backend, fullgraph=whole)
     return len(model.layers)

@@ -13,7 +13,7 @@ from torch import nn
 
 from titanlite.models.decoder import OutputProjection
 from titanlite.models.transformers_backend import weights
-from titanlite.models.transformers_backend.args import BackendArgs, causal_lm_class
+from titanlite.models.transformers_backend.args import STATE_LAYERS, BackendArgs, causal_lm_class
 
 
 def build_text_config(hf_config: dict):
@@ -44,6 +44,7 @@ class BackendModel(nn.Module):
 
     attention_kernel = "sdpa"
     aux_loss_sum = None  # (an MoE's auxiliary loss stays inside transformers' model: not added)
+    compile_fullgraph = False  # [compile]: transformers' layers may break their graphs (data-dependent branches)
 
     def __init__(self, args: BackendArgs):
         super().__init__()
@@ -101,6 +102,12 @@ class BackendModel(nn.Module):
             position_ids = positions if self.args.attention == "block_causal" else None
             h = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False).last_hidden_state
         return self.lm_head(h[:, -1:] if last_only else h, labels)
+
+    def eager_modules(self) -> list[nn.Module]:
+        """The modules [compile] leaves uncompiled inside each compiled decoder layer: those that keep a state along
+        the sequence (Gated DeltaNet, Mamba: transformers' PyTorch fallbacks reshape views that dynamo's traced
+        backward cannot), found by their class names."""
+        return [m for layer in self.layers for m in layer.modules() if STATE_LAYERS.search(type(m).__name__)]
 
     @property
     def device(self) -> torch.device:

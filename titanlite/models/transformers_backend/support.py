@@ -36,7 +36,6 @@ def problem(cfg, dims, args, inference: bool = False) -> str | None:
     switches = (
         (cfg.float8.enable, "float8.enable = true"),
         (cfg.optimizer.name == "muon", "optimizer.name = 'muon'"),
-        (cfg.compile.enable, "compile.enable = true"),
         (cfg.fault_tolerance.enable, "fault_tolerance.enable = true"),
     )
     for on, setting in switches:
