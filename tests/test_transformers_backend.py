@@ -251,6 +251,7 @@ def test_lora_on_a_backend_model_adapts_its_linears_by_their_own_names(tmp_path)
     """lora.targets names a backend model's linears as peft does (Phi-3's fused qkv_proj and gate_up_proj); 'all' is
     every linear of its decoder layers; the adapters are what a LoRA checkpoint holds."""
     from titanlite.config import load
+    from titanlite.errors import ConfigError
     from titanlite.models.lora import resolve_targets
     from titanlite.plan import model_shapes, validate_for_world
 
@@ -263,6 +264,57 @@ def test_lora_on_a_backend_model_adapts_its_linears_by_their_own_names(tmp_path)
     adapters = sorted(n for n in shapes if ".lora_" in n)
     assert adapters[:2] == ["model.layers.0.mlp.down_proj.lora_a.weight", "model.layers.0.mlp.down_proj.lora_b.weight"]
     assert len(adapters) == 2 * 2 * 2 and shapes["model.layers.0.self_attn.qkv_proj.lora_b.weight"] == (128, 16)
+    # a folder with a config.json alone: the dry run sizes its LoRA (device_type None); a run is refused (random base)
+    bare = load(tiny_argv(tmp_path / "bare", "--model.name", "transformers", "--model.flavor", "hf", "--lora.enable",
+                          "true", "--checkpoint.initial_load_path", str(config_folder(tmp_path, "phi3"))))  # fmt: skip
+    assert validate_for_world(bare, 2, device_type=None).model_args.linears
+    with pytest.raises(ConfigError, match=r"holds a config.json and no weights \(the base would be random weights\)"):
+        validate_for_world(bare, 1, device_type="cpu")
+
+
+@pytest.mark.slow  # about 7 s
+def test_qlora_reads_each_base_weight_whole_into_nf4_and_refuses_one_of_another_shape(tmp_path):
+    """QLoRA on a backend model: its trained linears (not a router or gate) become NF4 weights, each the whole
+    folder weight quantized (its dequantized values within NF4's error of the folder's); a folder whose weight has
+    another shape (transposed) is refused by name, not read into the 4 bits."""
+    pytest.importorskip("torchao")
+    from safetensors.torch import load_file, save_file
+
+    from titanlite.checkpoint.initial import load_initial_weights
+    from titanlite.config import load
+    from titanlite.errors import ConfigError
+    from titanlite.model_builder import build_model
+    from titanlite.models.nf4 import local_nf4, materialize_nf4
+    from titanlite.plan import validate_for_world
+
+    folder, reference = hf_folder(tmp_path, "phi3")
+
+    def built(base):
+        cfg = load(tiny_argv(tmp_path / "run", "--model.flavor", "hf", "--checkpoint.initial_load_path", str(base),
+                             "--lora.enable", "true", *NF4))  # fmt: skip
+        model = build_model(cfg, validate_for_world(cfg, 1, device_type="cpu").model_args, None).model
+        model.to_empty(device="cpu")
+        materialize_nf4(model)  # (as the Trainer does)
+        model.init_weights(0)
+        load_initial_weights(model, base)
+        return model
+
+    model = built(folder)
+    nf4 = {n: p for n, p in model.named_parameters() if local_nf4(p) is not None}
+    assert sorted(nf4)[:2] == ["model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"]
+    assert len(nf4) == 8
+    for name, p in nf4.items():
+        full = reference.get_parameter(name)
+        error = (p.get_original_weight().float() - full).abs().max() / full.abs().max()
+        assert 0 < error < 0.2, (name, error)
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    key = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[key] = tensors[key].T.contiguous()
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"weights of other shapes: .*model.layers.1.self_attn.qkv_proj.weight"):
+        built(broken)
 
 
 @pytest.mark.parametrize("extra,message", REFUSALS)
@@ -342,10 +394,19 @@ def _argv(root, name, run, *extra):
     )  # fmt: skip
 
 
-# runs of one process with activation checkpointing per decoder layer, and validation
+# runs of one process with activation checkpointing per decoder layer, [compile] per decoder layer (Qwen3.5's Gated
+# DeltaNet left uncompiled inside its layers), and validation
+COMPILED = ["--compile.enable", "true", "--compile.backend", "aot_eager"]
 RECOMPUTED = {
     "phi3": ["--activation_checkpoint.mode", "full"],
-    "gemma3": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "gemma3": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+        *COMPILED,
+    ],  # fmt: skip
+    "qwen3_5": COMPILED,
     "olmo3": ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"],
 }
 

@@ -289,6 +289,22 @@ def quorum_id(manager) -> int | None:
     return getattr(manager, "_quorum_id", None)
 
 
+@contextmanager
+def _environment(key: str, value: str | None):
+    """The environment variable `key` set to `value` inside (None: left as it is)."""
+    before = os.environ.get(key)
+    if value is not None:
+        os.environ[key] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if before is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = before
+
+
 def transformers_load(model, folder: str, files: list[str], take: dict | None = None):
     """transformers' own loading of safetensors `files` into `model` (its renamings, fused experts, DTensor shards
     read in place); its report (missing_keys, unexpected_keys, mismatched_keys). take: state-dict name -> a function
@@ -315,17 +331,37 @@ def transformers_load(model, folder: str, files: list[str], take: dict | None = 
 
     def set_or_take(model_, target_name, value, loading_info, quantizer):
         if take and target_name in take:
-            take[target_name](value.detach() if isinstance(value, torch.nn.Parameter) else value)
             loading_info.missing_keys.discard(target_name)
+            expected = model_.get_parameter(target_name).shape
+            if value.shape != expected:
+                loading_info.mismatched_keys.add((target_name, value.shape, expected))
+                return None
+            take[target_name](value.detach() if isinstance(value, torch.nn.Parameter) else value)
             return None
         return set_param(model_, target_name, value, loading_info, quantizer)
 
     core_model_loading.set_param_for_module = set_or_take
-    try:
-        info, _ = type(model)._load_pretrained_model(model, None, files, config)
+    try:  # taken tensors are read whole: one at a time, not read ahead by transformers' loading threads
+        with _environment("HF_DEACTIVATE_ASYNC_LOAD", "1" if take else None):
+            info, _ = type(model)._load_pretrained_model(model, None, files, config)
     finally:
         core_model_loading.set_param_for_module = set_param
     # what it recorded for saving would write the folder's layout back (a multimodal one's prefixes): the export is
     # the text class's own layout, as for a model built from its config
     vars(model).pop("_weight_conversions", None)
     return info
+
+
+@contextmanager
+def one_sequence_per_row():
+    """transformers' attention masks built as for rows of one sequence each (sdpa's is_causal, no mask), also on fake
+    tensors, where its check of the positions (masking_utils.find_packed_sequence_indices) takes them for a trace and
+    builds a mask a real run does not."""
+    from transformers import masking_utils
+
+    find = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find

@@ -81,7 +81,7 @@ def model_shapes(cfg: JobConfig, args: ModelArgs) -> dict[str, tuple]:
 def check_adapters_and_optimizer(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device_type: str | None):
     """ConfigError with the first problem of Muon, LoRA (and its adapter folder) or QLoRA with this job (device_type
     None: the dry run, which does not ask for torchao)."""
-    for problem in (muon_problem(cfg), lora_problem(cfg, args), dpo_problem(cfg)):
+    for problem in (muon_problem(cfg), lora_problem(cfg, args, sizing_only=device_type is None), dpo_problem(cfg)):
         if problem:
             raise ConfigError(problem)
     if cfg.lora.enable and cfg.lora.initial_adapter_path:

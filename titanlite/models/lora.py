@@ -367,11 +367,12 @@ def merge_adapters(model: nn.Module) -> None:
         merge_expert_adapters(unit)
 
 
-def lora_problem(cfg, args: ModelArgs) -> str | None:
+def lora_problem(cfg, args: ModelArgs, sizing_only: bool = False) -> str | None:
     """Why [lora] cannot train this model, or None: an adapter folder without lora.enable, no base to start from, a
     target the model lacks, dropout on the experts' adapters, a base dtype that FSDP cannot gather with the adapters,
     or a last save that would drop the adapters (the adapter folder itself is checked against the model by
-    checkpoint.lora_io.check_peft_folder)."""
+    checkpoint.lora_io.check_peft_folder). sizing_only: the dry run, which sizes a backend model's LoRA from its
+    config.json alone."""
     lora = cfg.lora
     if not lora.enable:
         if lora.initial_adapter_path:
@@ -385,6 +386,12 @@ def lora_problem(cfg, args: ModelArgs) -> str | None:
             "lora.enable = true trains adapters on a frozen base, but checkpoint.initial_load_path = '' gives none "
             "(the base would be random weights); set it to the base model: a HuggingFace folder, a step-N "
             "checkpoint or a consolidated file"
+        )
+    if is_backend(args) and not args.hf_weights and not sizing_only:
+        return (
+            f"lora.enable = true trains adapters on a frozen base, but checkpoint.initial_load_path = "
+            f"{cfg.checkpoint.initial_load_path!r} holds a config.json and no weights (the base would be random "
+            "weights); set it to a folder with the model's *.safetensors"
         )
     try:
         roles = resolve_targets(list(lora.targets), args)

@@ -27,11 +27,9 @@ from titanlite.models.family import BACKEND
 from titanlite.models.registry import model_class
 
 _NF4_TENSOR = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
-# a router's few weights decide the routing: kept in full precision, as its bias
-_NOT_QUANTIZED = re.compile(r"router$")
-# transformers' names of routers and of a shared expert's gate (one row: Qwen3.5-MoE's shared_expert_gate), and a
-# sparse-attention indexer (frozen, not trained: its weights as the folder has them)
-_BACKEND_NOT_QUANTIZED = re.compile(r"(^|\.)(router|gate|\w+_gate)$|(^|\.)indexer\.")
+# A router's few weights decide the routing: kept in full precision, as its bias (transformers' names: router, gate,
+# and a shared expert's one-row shared_expert_gate).
+_BACKEND_NOT_QUANTIZED = re.compile(r"\.(router|gate|shared_expert_gate)$")
 # Every FSDP degree that is a power of two up to this and divides a weight's rows gives each rank whole scaler blocks.
 SPLIT_DEGREES = 64
 
@@ -57,13 +55,18 @@ def nf4_api():
 def quantized_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Qualified name -> every linear in the model's blocks that an NF4 base holds in 4 bits (routers excepted; of a
     transformers backend model, its decoder layers' linears that train, their routers and gates excepted)."""
-    backend = getattr(getattr(model, "args", None), "family", None) == BACKEND
-    prefix, skipped = ("model.layers", _BACKEND_NOT_QUANTIZED) if backend else ("layers", _NOT_QUANTIZED)
+    args = getattr(model, "args", None)
+    if getattr(args, "family", None) == BACKEND:  # its trained linears (args.linears), by their own names
+        trained = set(args.linears)
+        return {
+            name: m for name, m in model.named_modules()
+            if name in trained and not _BACKEND_NOT_QUANTIZED.search(name)
+        }  # fmt: skip
     out = {}
     for i, block in enumerate(model.layers):
         for path, m in block.named_modules():
-            if isinstance(m, nn.Linear) and not skipped.search(path) and not is_lora_factor(path):
-                out[f"{prefix}.{i}.{path}"] = m
+            if isinstance(m, nn.Linear) and not path.endswith("router") and not is_lora_factor(path):
+                out[f"layers.{i}.{path}"] = m
     return out
 
 

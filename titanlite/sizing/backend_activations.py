@@ -12,10 +12,12 @@ causal_conv1d), that is transformers' PyTorch fallback, which keeps more than th
 from __future__ import annotations
 
 import contextlib
+import json
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titanlite.compat import one_sequence_per_row
 from titanlite.parallel.ac import AC_MATMULS, AC_SAVE_OPS
 
 MODES = ("none", "full", "op", "op_every_second")
@@ -26,7 +28,8 @@ def layer_activation_bytes(args, seq_len: int, act_bytes: int, lora_cfg=None) ->
     """Per decoder layer, the bytes per token it keeps for backward in each AC mode (MODES), for sequences of seq_len
     tokens computed in a dtype of act_bytes bytes; lora_cfg: the [lora] section when adapters train on a frozen base.
     Measured once per process for each of these."""
-    key = (id(args), seq_len, act_bytes, None if lora_cfg is None else repr(lora_cfg))
+    shape = json.dumps(args.hf_config, sort_keys=True, default=str), args.vocab_size, args.attention
+    key = (shape, seq_len, act_bytes, None if lora_cfg is None else repr(lora_cfg))
     if key not in _cache:
         _cache[key] = _measure(args, seq_len, act_bytes, lora_cfg)
     return _cache[key]
@@ -41,8 +44,9 @@ def _measure(args, seq_len: int, act_bytes: int, lora_cfg) -> list[dict[str, int
 
     n = args.n_layers
     saved: list[dict] = [{} for _ in range(n)]  # per layer: storage -> bytes (autograd's saved tensors)
-    kept = {"op": [{} for _ in range(n)], "op_every_second": [{} for _ in range(n)]}
+    kept = {"op": [0] * n, "op_every_second": [0] * n}  # per layer: bytes of the outputs selective AC keeps
     inputs = [0] * n
+    held: list[torch.Tensor] = []  # what autograd saved, held here (not in its graph) until the count is done
     with torch.device("meta"):
         model = BackendModel(args).to(torch.float32 if act_bytes == 4 and not args.hf_experts else torch.bfloat16)
         if lora_cfg is not None:
@@ -57,10 +61,11 @@ def _measure(args, seq_len: int, act_bytes: int, lora_cfg) -> list[dict[str, int
             nbytes = t.untyped_storage().nbytes() if whole else t.numel() * t.element_size()
             return nbytes * act_bytes // 2 if t.element_size() == 2 else nbytes
 
-        def pack(t: torch.Tensor):
+        def pack(t: torch.Tensor) -> int:
             if layer.now is not None and (key := _storage(t)) not in weights and all(key not in s for s in saved):
                 saved[layer.now][key] = size(t, whole=True)
-            return t
+            held.append(t)
+            return len(held) - 1
 
         def record_input(i: int, a, kw) -> None:
             inputs[i] = size(a[0] if a else kw["hidden_states"])
@@ -68,14 +73,19 @@ def _measure(args, seq_len: int, act_bytes: int, lora_cfg) -> list[dict[str, int
         for i, block in enumerate(model.layers):
             block.register_forward_pre_hook(lambda m, a, kw, i=i: record_input(i, a, kw), with_kwargs=True)
         tokens = torch.zeros(1, seq_len, dtype=torch.long)
-        with layer, _SelectiveKept(layer, kept, size), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # a causal run's rows are one sequence each: no mask (sdpa's is_causal), as transformers finds outside fake
+        # tensors; block_causal's packed rows are masked, as here
+        single = one_sequence_per_row() if args.attention == "causal" else contextlib.nullcontext()
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, held.__getitem__)
+        with layer, single, _SelectiveKept(layer, kept, size), hooks:
             model.model(input_ids=tokens, use_cache=False)
+    held.clear()
     out = []
     for i in range(n):
         bytes_ = {
             "none": sum(saved[i].values()),
             "full": inputs[i],
-            **{mode: inputs[i] + sum(kept[mode][i].values()) for mode in kept},
+            **{mode: inputs[i] + kept[mode][i] for mode in kept},
         }
         out.append({mode: -(-b // seq_len) for mode, b in bytes_.items()})
     return out
@@ -116,9 +126,9 @@ class _SelectiveKept(TorchDispatchMode):
         if i is not None and func in AC_SAVE_OPS:
             tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
             count = sum(self.size(t) for t in tensors)
-            self.kept["op"][i][id(out)] = count
+            self.kept["op"][i] += count
             if func in AC_MATMULS:
                 self.matmuls[i] = self.matmuls.get(i, 0) + 1
             if func not in AC_MATMULS or self.matmuls[i] % 2 == 1:
-                self.kept["op_every_second"][i][id(out)] = count
+                self.kept["op_every_second"][i] += count
         return out

@@ -86,9 +86,6 @@ def _init_unit(hf: nn.Module, inside, seed: int) -> list[str]:
     for original, full, name in full_of.values():
         if full.is_floating_point() and torch.isnan(full).any():
             untouched.append(name)
-        if local_nf4(original) is not None:  # QLoRA's base: the whole weight quantized, this rank's rows kept
-            write_full(original, full.detach())
-            continue
         if isinstance(original, DTensor):  # every rank drew the same full tensor: keep the local shard, no comms
             full = distribute_tensor(full.detach(), original.device_mesh, original.placements, src_data_rank=None)
         original.copy_(full.detach())
@@ -174,12 +171,12 @@ def load_folder(hf: nn.Module, folder) -> None:
 
 @contextmanager
 def _read_whole(hf: nn.Module, quantized: dict[str, torch.Tensor]):
-    """Each NF4 weight set aside for a float32 placeholder of its full shape on the meta device while transformers'
+    """Each NF4 weight set aside for a placeholder of its full shape and dtype on the meta device while transformers'
     loader runs (which then reads it whole, as a plain tensor); put back after."""
     owners = {n: hf.get_submodule(n.rpartition(".")[0]) for n in quantized}
     for n, owner in owners.items():
         owner._parameters[n.rpartition(".")[2]] = nn.Parameter(
-            torch.empty(quantized[n].shape, dtype=torch.float32, device="meta"), requires_grad=False
+            torch.empty(quantized[n].shape, dtype=quantized[n].dtype, device="meta"), requires_grad=False
         )
     try:
         yield
