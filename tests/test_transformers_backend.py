@@ -173,6 +173,10 @@ REFUSALS = [
     ),
     (["--parallelism.context_parallel_degree", "2"], r"context parallelism is not available .* native families"),
     (
+        ["--parallelism.pipeline_parallel_degree", "2", "--checkpoint.last_save_in_hf", "true"],
+        r"pipeline parallelism of model.name = 'transformers' \(phi3\) writes no HF folder at the end .* export",
+    ),
+    (
         ["--lora.enable", "true", "--lora.targets", "qkv_proj,q_proj"],
         r"q_proj: phi3's decoder layers have no nn.Linear "
         r"of that name .* valid targets for it: o_proj, qkv_proj, gate_up_proj, down_proj",
@@ -338,6 +342,9 @@ def test_packing_is_refused_for_layers_that_carry_state_and_bad_folders_in_one_l
     deepseek = config_folder(tmp_path, "deepseek_v32")
     with pytest.raises(ConfigError, match=r"deepseek_v32's sparse attention indexer chooses its keys across"):
         _shape([*backend, "--model.attention", "block_causal"], root=tmp_path, folder=deepseek)
+    llama4 = config_folder(tmp_path, "llama4_text")  # (its config has no base_model_pp_plan)
+    with pytest.raises(ConfigError, match=r"base_model_pp_plan, which lacks embed_tokens, layers, norm \(it has none"):
+        _shape([*backend, "--parallelism.pipeline_parallel_degree", "2"], root=tmp_path, folder=llama4)
     tp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"]
     with pytest.raises(ConfigError, match=r"base_model_tp_plan, whose entry layers.\*.self_attn.kv_a_proj_with_mqa: "
                        r"'mla_kv_a_proj' the backend does not apply"):  # fmt: skip
@@ -374,13 +381,26 @@ TP = {
     f"{name}_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"]
     for name in ("phi3", "gemma3", "phi3_lora")
 }
+# *_pp: PP(2) by the config's base_model_pp_plan, 1F1B over 4 pipeline microbatches (Gemma 3's tied embedding and
+# output projection on the two ranks, Qwen3.5's hybrid layers split between them)
+PP = {
+    f"{name}_pp": [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--training.local_batch_size",
+        "4",
+    ]  # fmt: skip
+    for name in ("phi3", "gemma3", "qwen3_5")
+}
 EXPORTED = ["gemma3", "qwen3_5"]
 X = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
 
 
 def _base(name: str) -> str:
     """The folder a run of `name` starts from (phi3_qlora_tp: phi3)."""
-    return name.removesuffix("_tp").removesuffix("_qlora").removesuffix("_lora")
+    return name.removesuffix("_tp").removesuffix("_pp").removesuffix("_qlora").removesuffix("_lora")
 
 
 def _argv(root, name, run, *extra):
@@ -424,6 +444,7 @@ def _train_each(root, run: str, names, replicate: int = 1):
             "--parallelism.data_parallel_replicate_degree",
             "1" if name in TP else str(replicate),
             *TP.get(name, []),
+            *PP.get(name, []),
         ]
         if name in EXPORTED:
             extra += ["--checkpoint.last_save_in_hf", "true"]
@@ -433,6 +454,9 @@ def _train_each(root, run: str, names, replicate: int = 1):
             extra += ["--checkpoint.async_mode", "async"]
         t = make_trainer(_argv(root, name, run, *extra))
         losses = t.train()
+        if name in PP:  # (each rank holds one stage: no whole model to run)
+            out[name] = {"losses": losses}
+            continue
         with torch.no_grad():
             logits = t.model.eval()(X)  # (split over the vocabulary under TP's loss parallelism)
             out[name] = {"losses": losses, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits}
@@ -490,11 +514,11 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     mtp = {"mtp.fc.weight": torch.randn(8, 16), "mtp.norm.weight": torch.randn(16)}  # Qwen3.5's MTP head: untrained
     save_file(mtp, str(tmp_path / "qwen3_5" / "mtp.safetensors"))
     one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
-    fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", TRAINED)[0]
+    fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", [*TRAINED, *PP])[0]
     four = ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora", "phi3_qlora", *TP]  # HSDP(2x2), TP(2) x FSDP(2)
     hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", four, 2)[0]
     resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "phi3_lora",
-                                                          "phi3_qlora"])[0]  # fmt: skip
+                                                          "phi3_qlora", "phi3_pp"])[0]  # fmt: skip
     # the 4-bit base computes other logits than the full-precision one (by little): it was quantized when read
     assert 1e-4 < abs(one["phi3_qlora"]["losses"][1] - one["phi3_lora"]["losses"][1]) < 0.05
     for name in TRAINED:
@@ -508,6 +532,9 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
         ref = one[name.removesuffix("_tp")]
         assert all(abs(hsdp[name]["losses"][s] - ref["losses"][s]) < 1e-5 for s in ref["losses"]), (name, hsdp[name])
         assert (hsdp[name]["logits"] - ref["logits"]).abs().max() < 1e-4, name
+    for name in PP:  # pipeline parallelism: one process's losses
+        ref = one[_base(name)]["losses"]
+        assert all(abs(fsdp2[name]["losses"][s] - ref[s]) < 1e-5 for s in ref), (name, fsdp2[name], ref)
     for name in SAMPLED:  # sharded generation: transformers' greedy generate on the folder
         reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
         expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None)

@@ -14,7 +14,7 @@ from titanlite.loss import training_loss
 from titanlite.models.lora import apply_lora
 from titanlite.models.nf4 import quantize_base
 from titanlite.models.registry import model_class
-from titanlite.models.stage import StageModule, keep_only, part_sizes
+from titanlite.models.stage import keep_only, part_sizes, stage_module
 from titanlite.parallel.ac import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.cp import apply_cp
@@ -157,6 +157,6 @@ def _split_stages(cfg: JobConfig, model, pp_mesh, built: BuiltModel, tp_mesh) ->
     keep_only(model, {b for i in ids for b in blocks[i]}, 0 in ids, last in ids)
     loss_fn = training_loss(compiled_loss(cfg, 1 if tp_mesh is None else tp_mesh.size()))
     split = p.pipeline_parallel_schedule in V_SHAPED  # zero-bubble: backward in input and weight parts
-    built.stages = [StageModule(model, blocks[i], i == 0, i == last, loss_fn, split) for i in ids]
+    built.stages = [stage_module(model, blocks[i], i == 0, i == last, loss_fn, split) for i in ids]
     built.stage_ids, built.stage_blocks = ids, blocks
     return built.stages

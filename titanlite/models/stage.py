@@ -14,8 +14,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.loss import summed_cross_entropy
+from titanlite.models.family import BACKEND
 from titanlite.models.layer_masks import layer_masks
 from titanlite.models.moe import CarryLoadStats, moe_layers, record_forward, stage_load_stats
+from titanlite.models.transformers_backend import stage as backend_stage
 
 
 class AbsentBlock(nn.Module):
@@ -125,11 +127,20 @@ class StageModule(nn.Module):
         return self._tied_alias[0].weight if self._tied_alias else None
 
 
+def stage_module(model: nn.Module, blocks: range, first: bool, last: bool, loss_fn, split: bool) -> nn.Module:
+    """The stage module of blocks `blocks` of `model`: a StageModule, or a transformers backend model's BackendStage."""
+    if model.args.family == BACKEND:
+        return backend_stage.BackendStage(model, blocks, first, last, loss_fn, split)
+    return StageModule(model, blocks, first, last, loss_fn, split)
+
+
 def keep_only(model: nn.Module, blocks: set[int], first: bool, last: bool) -> None:
     """Drop from `model` the blocks not in `blocks`, the embedding unless `first`, the norm and output projection
     unless `last` (before it is materialised: what is dropped is never allocated); the model is then marked
     `pipeline_part` (its state dict holds some of the model's names). With tied embeddings, either end keeps both the
     embedding and the output projection: one weight under both names, as the whole model holds it."""
+    if model.args.family == BACKEND:
+        return backend_stage.keep_only(model, blocks, first, last)
     model.pipeline_part = True
     tied_end = model.args.tie_embeddings and (first or last)
     for i in range(len(model.layers)):
@@ -145,5 +156,7 @@ def keep_only(model: nn.Module, blocks: set[int], first: bool, last: bool) -> No
 
 def part_sizes(model: nn.Module) -> tuple[int, list[int], int]:
     """Parameters of (the embedding, each block, the final norm and output projection) of a whole model."""
+    if model.args.family == BACKEND:
+        return backend_stage.part_sizes(model)
     size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return size(model.tok_embeddings), [size(b) for b in model.layers], size(model.norm) + size(model.output)

@@ -18,10 +18,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.compat import one_sequence_per_row
+from titanlite.dtypes import dtype_bytes
+from titanlite.models.family import BACKEND
 from titanlite.parallel.ac import AC_MATMULS, AC_SAVE_OPS
 
 MODES = ("none", "full", "op", "op_every_second")
 _cache: dict[tuple, list[dict[str, int]]] = {}
+
+
+def layer_bytes_for(cfg, plan) -> list[dict[str, int]] | None:
+    """A transformers backend model's per-layer activation bytes per token for this job (layer_activation_bytes),
+    or None: a native family's, or under tensor parallelism (each rank's share: the native formula)."""
+    if plan.model_args.family != BACKEND or plan.dims.tp > 1:
+        return None
+    t = cfg.training
+    lora = cfg.lora if cfg.lora.enable else None
+    return layer_activation_bytes(plan.model_args, t.seq_len, dtype_bytes(t.mixed_precision_param), lora)
 
 
 def layer_activation_bytes(args, seq_len: int, act_bytes: int, lora_cfg=None) -> list[dict[str, int]]:

@@ -23,6 +23,7 @@ from titanlite.models.stage import part_sizes
 from titanlite.parallel.fsdp import describe
 from titanlite.parallel.pp import bubble_fraction, pipeline_microbatches, rank_stages, stage_blocks, stages_per_rank
 from titanlite.sizing import memory as me
+from titanlite.sizing.backend_activations import layer_bytes_for
 
 GIB = 1024**3
 
@@ -105,9 +106,10 @@ def rank_memory(cfg, plan, world_size: int, pp_rank: int, split: list[range], bu
     tokens = t.local_batch_size // m * t.seq_len // dims.cp  # one pipeline microbatch
     ac = cfg.activation_checkpoint
     op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
+    measured = layer_bytes_for(cfg, plan)  # (a transformers backend model's layers)
     kept, rebuilt = me.block_bytes(
         args, tokens, pbytes, ac_blocks, op_sac, ac.selective_op_policy, dims.tp, p.enable_sequence_parallel,
-        dims.ep, cfg.lora.enable, dims.cp,
+        dims.ep, cfg.lora.enable, dims.cp, measured,
     )  # fmt: skip
     flight = in_flight(p.pipeline_parallel_schedule, dims.pp, pp_rank, m, stages_per_rank(p))
     activations = flight * sum(kept[b] for b in blocks) + max(rebuilt[b] for b in blocks)
@@ -116,6 +118,7 @@ def rank_memory(cfg, plan, world_size: int, pp_rank: int, split: list[range], bu
             args, tokens, pbytes, ac_blocks, op_sac, compiled_loss=compiled_loss(cfg, dims.tp),
             op_policy=ac.selective_op_policy, loss_chunk_tokens=chunked_loss_tokens(cfg, dims.tp), tp=dims.tp,
             sequence_parallel=p.enable_sequence_parallel, loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
+            layer_bytes=measured,
         )  # fmt: skip
         activations += parts["final norm"] + parts["loss or recompute"]
     activations += b["dequantized"]  # QLoRA: a linear's dequantized weight in backward

@@ -22,6 +22,7 @@ from titanlite.parallel.ac import ac_label, describe_ac_compile
 from titanlite.parallel.compile import compile_problem
 from titanlite.parallel.fsdp import describe, gradient_sync_plan
 from titanlite.sizing import memory as me
+from titanlite.sizing.backend_activations import layer_bytes_for
 from titanlite.sizing.pipeline import pipeline_report
 
 DEFAULT_GPU_MEM_GIB = 80.0
@@ -116,20 +117,8 @@ def activations_for(cfg, plan, ac_blocks: list[int], local_batch_size: int) -> d
         ep=plan.dims.ep,
         frozen_norms=cfg.lora.enable,
         cp=plan.dims.cp,
-        layer_bytes=measured_layer_bytes(cfg, plan),
+        layer_bytes=layer_bytes_for(cfg, plan),
     )
-
-
-def measured_layer_bytes(cfg, plan) -> list[dict[str, int]] | None:
-    """A transformers backend model's per-layer activation bytes per token, measured on fake tensors (its layers
-    have no formula); None for the native families."""
-    if plan.model_args.family != BACKEND or plan.dims.tp > 1:  # (TP: each rank's share, not measured: the formula)
-        return None
-    from titanlite.sizing.backend_activations import layer_activation_bytes
-
-    t = cfg.training
-    lora = cfg.lora if cfg.lora.enable else None
-    return layer_activation_bytes(plan.model_args, t.seq_len, dtype_bytes(t.mixed_precision_param), lora)
 
 
 def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dict[str, int]) -> me.BackwardPeak:
@@ -152,7 +141,7 @@ def backward_for(cfg, plan, est: MemoryEstimate, local_batch_size: int, act: dic
         plan.dims.ep,
         cfg.lora.enable,
         plan.dims.cp,
-        measured_layer_bytes(cfg, plan),
+        layer_bytes_for(cfg, plan),
     )
     return me.backward_peak(
         est.units,

@@ -47,6 +47,7 @@ class BackendArgs(ModelArgs):
     frozen: tuple[str, ...] = ()  # name parts of parameters no loss reaches (a sparse-attention indexer): not trained
     linears: tuple[str, ...] = ()  # the decoder layers' trained nn.Linear modules (model.layers.0.self_attn.q_proj)
     tp_plan: dict = field(default_factory=dict)  # the config class's base_model_tp_plan (tensor parallelism: tp.py)
+    pp_plan: dict = field(default_factory=dict)  # its base_model_pp_plan (pipeline stages: stage.py)
 
     @property
     def model_type(self) -> str:
@@ -199,6 +200,7 @@ def backend_args(config_folder, vocab_size: int, seq_len: int, attention: str, t
         frozen=frozen,
         linears=_layer_linears(model, frozen),
         tp_plan=dict(getattr(text, "base_model_tp_plan", None) or {}),
+        pp_plan={k: [list(v) for v in io] for k, io in (getattr(text, "base_model_pp_plan", None) or {}).items()},
     )
 
 

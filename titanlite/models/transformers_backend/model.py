@@ -134,7 +134,7 @@ class BackendModel(nn.Module):
     def load_hf_folder(self, folder) -> None:
         """Fill this rank's shards from a HuggingFace folder's safetensors (transformers' loader and renamings); a
         folder with a config.json only leaves the weights drawn from the seed."""
-        weights.load_folder(self.hf, folder)
+        weights.load_folder(self.hf, folder, part=getattr(self, "pipeline_part", False))
 
     def save_hf_folder(self, out, dtype: torch.dtype, max_shard_size: str | int = "5GB") -> int:
         """Write the model as transformers saves it (call on every rank; rank 0 writes); the tensors written."""

@@ -26,6 +26,10 @@ def problem(cfg, dims, args, inference: bool = False) -> str | None:
             if why := _tp_problem(cfg, args, inference):
                 return f"{key} = {degree}: {what} of {model} follows its config's base_model_tp_plan, {why}"
             continue
+        if degree > 1 and attr == "pp" and not inference:
+            if why := _pp_problem(cfg, args):
+                return f"{key} = {degree}: {what} of {model} {why}"
+            continue
         if degree > 1:
             return (
                 f"{key} = {degree}: {what} is not available for {model}; it is in {NATIVE}; the backend shards with "
@@ -52,6 +56,26 @@ def problem(cfg, dims, args, inference: bool = False) -> str | None:
             f"model.attention = 'block_causal': {args.model_type}'s sparse attention indexer chooses its keys across "
             "the packed documents of a row (index_topk), so a packed row is not each document alone; use "
             "model.attention = 'causal'"
+        )
+    return None
+
+
+PP_PARTS = ("embed_tokens", "layers", "norm")  # the base_model_pp_plan entries a stage is cut by (stage.py)
+
+
+def _pp_problem(cfg, args) -> str | None:
+    """Why the backend cannot cut this model into pipeline stages, or None."""
+    if missing := [part for part in PP_PARTS if part not in args.pp_plan]:
+        return (
+            f"follows its config's base_model_pp_plan, which lacks {', '.join(missing)} (it has "
+            f"{', '.join(args.pp_plan) or 'none'}): the backend cuts stages by those entries; pipeline parallelism is "
+            f"in {NATIVE}"
+        )
+    if cfg.checkpoint.last_save_in_hf:
+        return (
+            "writes no HF folder at the end (each pipeline rank holds part of the model); set "
+            "checkpoint.last_save_in_hf = false and export the last checkpoint: python -m titanlite.checkpoint export "
+            "--format hf"
         )
     return None
 

@@ -12,6 +12,7 @@ import glob
 import hashlib
 import logging
 import pathlib
+import re
 from contextlib import contextmanager
 from functools import partial
 
@@ -122,14 +123,17 @@ def init_buffers(hf: nn.Module) -> None:
     finally:
         for p in params:
             del p._is_hf_initialized
-    if getattr(hf.config, "tie_word_embeddings", False) and hf.lm_head.weight is not hf.model.embed_tokens.weight:
-        hf.lm_head.weight = hf.model.embed_tokens.weight  # to_empty unties a plain (unsharded) model
+    head, embedding = hf.lm_head, hf.model.embed_tokens  # (a pipeline stage may hold neither)
+    if getattr(hf.config, "tie_word_embeddings", False) and head is not None and embedding is not None:
+        if head.weight is not embedding.weight:
+            head.weight = embedding.weight  # to_empty unties a plain (unsharded) model
 
 
 @torch.no_grad()
-def load_folder(hf: nn.Module, folder) -> None:
+def load_folder(hf: nn.Module, folder, part: bool = False) -> None:
     """This rank's shards from a HuggingFace folder, by transformers' loader (its renamings and fused experts); the
-    parameter objects stay those the optimizer and FSDP hold. ConfigError naming the weights the folder lacks."""
+    parameter objects stay those the optimizer and FSDP hold. ConfigError naming the weights the folder lacks.
+    part: the model holds this rank's pipeline stages only."""
     folder = pathlib.Path(folder)
     files = sorted(glob.glob(str(folder / "*.safetensors")))
     if not files:
@@ -160,11 +164,14 @@ def load_folder(hf: nn.Module, folder) -> None:
     mismatched = sorted(getattr(info, "mismatched_keys", ()) or ())
     if mismatched:
         raise ConfigError(f"checkpoint.initial_load_path = {str(folder)!r}: weights of other shapes: {mismatched[:3]}")
-    if info.unexpected_keys and (not dist.is_initialized() or dist.get_rank() == 0):
+    # (a pipeline stage's rank leaves the other stages' parts to their ranks: not the text model's extras)
+    elsewhere = re.compile(r"^(model\.(layers\.\d+|embed_tokens|norm)|lm_head)\.") if part else re.compile("$^")
+    extra = sorted(k for k in info.unexpected_keys if not elsewhere.match(k))
+    if extra and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(
-            f"{folder}: {len(info.unexpected_keys)} tensors that the text model does not hold are left out (e.g. "
-            f"{sorted(info.unexpected_keys)[0]}; a vision tower or multi-token-prediction layers): not trained; HF "
-            "exports carry them unchanged (a multimodal folder's export keeps its layout)"
+            f"{folder}: {len(extra)} tensors that the text model does not hold are left out (e.g. {extra[0]}; a "
+            "vision tower or multi-token-prediction layers): not trained; HF exports carry them unchanged (a "
+            "multimodal folder's export keeps its layout)"
         )
     init_buffers(hf)
 
