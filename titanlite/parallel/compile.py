@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from torch import nn
 
 from titanlite.compat import cpp_compiler_error, has_triton
@@ -41,13 +40,19 @@ def apply_compile(model: nn.Module, compile_cfg) -> int:
 
     `Module.compile` keeps the module and its parameter names; identical blocks share one compiled graph. An MoE
     block may break its graph where the routing's counts decide sizes (the token exchange reads them on the host);
-    so may a model that says so (compile_fullgraph = False), whose eager_modules() run uncompiled inside their blocks.
+    so may a model that says so (compile_fullgraph = False). A block holding one of the model's eager_modules() is
+    compiled part by part: its other children each, the eager one not at all.
     """
     if not compile_cfg.enable:
         return 0
     whole = getattr(model, "compile_fullgraph", True) and not getattr(getattr(model, "args", None), "moe", False)
-    for module in model.eager_modules() if hasattr(model, "eager_modules") else ():
-        module.forward = torch.compiler.disable(module.forward, recursive=True)
+    eager = {id(m) for m in model.eager_modules()} if hasattr(model, "eager_modules") else set()
     for block in model.layers:
-        block.compile(backend=compile_cfg.backend, fullgraph=whole)
+        if not any(id(m) in eager for m in block.modules()):
+            block.compile(backend=compile_cfg.backend, fullgraph=whole)
+            continue
+        # the block's other parts, each compiled (a graph break inside a checkpointed block would leave it all eager)
+        for child in block.children():
+            if not any(id(m) in eager for m in child.modules()):
+                child.compile(backend=compile_cfg.backend, fullgraph=whole)
     return len(model.layers)

@@ -50,7 +50,7 @@ class BackendStage(nn.Module):
         model = self._model[0]
         position_ids = positions if model.args.attention == "block_causal" else None
         inputs = {"input_ids": x} if self.embed_tokens is not None else {"inputs_embeds": x}
-        with self._only_this_stage(model.model):
+        with self._only_this_stage(model.model, None if self.embed_tokens is not None else x):
             h = model.model(**inputs, position_ids=position_ids, use_cache=False).last_hidden_state
         if self.lm_head is None:
             return h
@@ -60,16 +60,23 @@ class BackendStage(nn.Module):
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     @contextmanager
-    def _only_this_stage(self, base: nn.Module):
+    def _only_this_stage(self, base: nn.Module, received: torch.Tensor | None):
         """The transformers model running this stage's layers only (the others passed through), its final norm only
-        on the last stage."""
+        on the last stage; received: a later stage's input, which its first layer gets as it is (whatever the model's
+        forward does to inputs_embeds before its layers, an embedding multiplier say, the first stage did)."""
         layers, norm = base.layers, base.norm
         base.layers = nn.ModuleList([layers[i] if i in self.blocks else AbsentLayer() for i in range(len(layers))])
         base.norm = norm if self.norm is not None else nn.Identity()
+        handle = None
+        if received is not None:
+            first = layers[min(self.blocks)]
+            handle = first.register_forward_pre_hook(lambda m, a, kw: _given(received, a, kw), with_kwargs=True)
         try:
             yield
         finally:
             base.layers, base.norm = layers, norm
+            if handle is not None:
+                handle.remove()
 
     def expert_units(self) -> list[nn.Module]:
         """(none: transformers' experts are sharded with their decoder layer)"""
@@ -86,6 +93,13 @@ class BackendStage(nn.Module):
     def tied_weight(self) -> nn.Parameter | None:
         """The weight this stage shares with another pipeline rank's stage (tied embeddings), or None."""
         return self._tied_alias[0].weight if self._tied_alias else None
+
+
+def _given(hidden: torch.Tensor, args: tuple, kwargs: dict):
+    """A decoder layer's arguments with `hidden` as its hidden states."""
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
 
 
 def keep_only(model: nn.Module, blocks: set[int], first: bool, last: bool) -> None:

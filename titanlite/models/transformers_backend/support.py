@@ -71,6 +71,12 @@ def _pp_problem(cfg, args) -> str | None:
             f"{', '.join(args.pp_plan) or 'none'}): the backend cuts stages by those entries; pipeline parallelism is "
             f"in {NATIVE}"
         )
+    parts = ("model.embed_tokens.", "model.layers.", "model.norm.", "lm_head.")
+    if outside := sorted(n for n in args.parameter_shapes() if not n.startswith(parts)):
+        return (
+            f"cannot cut it into stages: its parameters {', '.join(outside[:3])} are outside the embedding, the "
+            f"decoder layers and the final norm that its base_model_pp_plan names; pipeline parallelism is in {NATIVE}"
+        )
     if cfg.checkpoint.last_save_in_hf:
         return (
             "writes no HF folder at the end (each pipeline rank holds part of the model); set "

@@ -8,12 +8,16 @@ DeltaNet, whose own computation then runs whole on every rank), and `replicated_
 per-head q/k norms (their weight whole on every rank, their gradient summed over tp: torch's SequenceParallel over
 the head dimension, as the native families do). The embedding and the output projection are split over the
 vocabulary as in the native families (loss parallelism keeps the logits split). Every other parameter (norms, a
-convolution's weights) stays whole and is computed alike on every tp rank. A plan style outside these (an MoE's
-packed experts, MLA's latent projection) is refused before launch (`unsupported_style`); without sequence
-parallelism (transformers' layers add their residuals on whole tensors).
+convolution's weights) stays whole and is computed alike on every tp rank, and so do a routed MoE's experts
+(the plan's packed expert styles are not applied: the experts' input, routing and output are whole on every rank,
+so their gradients are too; the shared experts and attention are split). A plan style outside these (MLA's latent
+projection) is refused before launch (`unsupported_style`); without sequence parallelism (transformers' layers add
+their residuals on whole tensors).
 """
 
 from __future__ import annotations
+
+import re
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,9 +37,16 @@ STYLES = {
 NORMS = ("q_norm", "k_norm")  # the one place replicated_with_grad_allreduce is read as "over each rank's heads"
 
 
+# A routed MoE's experts (their packed 3-D weights and the module's all-reduce): not split; every tp rank holds and
+# computes them whole (their input and output are whole on every rank, so are their gradients)
+EXPERTS = re.compile(r"(^|\.)experts(\.|$)")
+
+
 def layer_plan(plan: dict) -> dict[str, str]:
-    """The plan's styles of a decoder layer's modules, by their names inside the layer."""
-    return {k[len(LAYER) :]: v for k, v in (plan or {}).items() if k.startswith(LAYER)}
+    """The plan's styles of a decoder layer's modules, by their names inside the layer (a routed MoE's experts left
+    out: kept whole)."""
+    inside = {k[len(LAYER) :]: v for k, v in (plan or {}).items() if k.startswith(LAYER)}
+    return {name: style for name, style in inside.items() if not EXPERTS.search(name)}
 
 
 def unsupported_style(plan: dict) -> str | None:
@@ -71,8 +82,17 @@ def parallelize_backend(
     for layer in model.model.layers:
         present = {name: STYLES[style]() for name, style in styles.items() if _has(layer, name)}
         parallelize_module(layer, tp_mesh, present)
+        for name, style in styles.items():  # a model may add to a projection's output in place (Llama 4's shared
+            if style.startswith("rowwise") and name in present:  # expert): its own tensor, not a DTensor's view
+                layer.get_submodule(name).register_forward_hook(_own_copy)
     if model.args.tie_embeddings:  # both split over the vocabulary rows: one parameter again
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _own_copy(module: nn.Module, args, output):
+    """A row-parallel projection's output as a tensor of its own (the local tensor of its reduced DTensor is a view
+    that autograd forbids modifying in place)."""
+    return output.clone()
 
 
 def _has(module: nn.Module, name: str) -> bool:

@@ -170,8 +170,8 @@ def load_folder(hf: nn.Module, folder, part: bool = False) -> None:
     if extra and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(
             f"{folder}: {len(extra)} tensors that the text model does not hold are left out (e.g. {extra[0]}; a "
-            "vision tower or multi-token-prediction layers): not trained; HF exports carry them unchanged (a "
-            "multimodal folder's export keeps its layout)"
+            "vision tower or multi-token-prediction layers): not trained; HF exports carry those the model's class "
+            "sets aside on load, and all of a multimodal folder's (its export keeps the folder's layout)"
         )
     init_buffers(hf)
 
