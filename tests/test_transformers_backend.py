@@ -392,7 +392,8 @@ TP = {
     for name in ("phi3", "gemma3", "phi3_lora", "qwen3_5_moe", "llama4_text")
 }
 # *_pp: PP(2) by the config's base_model_pp_plan, 1F1B over 4 pipeline microbatches (Gemma 3's tied embedding and
-# output projection on the two ranks, Qwen3.5's hybrid layers split between them)
+# output projection on the two ranks; Qwen3.5's hybrid layers split between them were checked the same way while
+# building it, left out for the suite's time)
 PP = {
     f"{name}_pp": [
         "--parallelism.pipeline_parallel_degree",
@@ -402,7 +403,7 @@ PP = {
         "--training.local_batch_size",
         "4",
     ]  # fmt: skip
-    for name in ("phi3", "gemma3", "qwen3_5")
+    for name in ("phi3", "gemma3")
 }
 EXPORTED = ["gemma3", "qwen3_5"]
 X = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -479,13 +480,13 @@ def _train_each(root, run: str, names, replicate: int = 1):
     return out
 
 
-SAMPLED = ["phi3", "qwen3_5"]  # greedy generation with the weights sharded (FSDP(2), and replicated over 2)
+SAMPLED = {"phi3": (2, 1), "qwen3_5": (1, 2)}  # greedy generation with the weights replicated over 2, or FSDP(2)
 PROMPT = [5, 17, 42, 99, 7, 3, 250]
 
 
 def _sample_sharded(root):
-    """Each SAMPLED folder's greedy continuation of PROMPT, its weights sharded over (replicate, shard) = (1, 2) and
-    (2, 1) for inference, as `python -m titanlite.generate` under torchrun builds it."""
+    """Each SAMPLED folder's greedy continuation of PROMPT, its weights sharded over its (replicate, shard) for
+    inference, as `python -m titanlite.generate` under torchrun builds it."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
@@ -494,14 +495,13 @@ def _sample_sharded(root):
     from titanlite.parallel.dims import ParallelDims
 
     out = {}
-    for name in SAMPLED:
+    for name, (replicate, shard) in SAMPLED.items():
         cfg = load(_argv(root, name, "sampled"))
-        for replicate, shard in ((1, 2), (2, 1)):
-            dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, world_size=dist.get_world_size())
-            model = inference_model(cfg, VOCAB, torch.device("cpu"), dims.build_meshes("cpu"))
-            assert isinstance(model.layers[0], FSDPModule)
-            load_weights(model, root / name)
-            out[(name, replicate, shard)] = generate(model, PROMPT, 12)
+        dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, world_size=dist.get_world_size())
+        model = inference_model(cfg, VOCAB, torch.device("cpu"), dims.build_meshes("cpu"))
+        assert isinstance(model.layers[0], FSDPModule)
+        load_weights(model, root / name)
+        out[name] = generate(model, PROMPT, 12)
     return out
 
 
@@ -552,8 +552,7 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     for name in SAMPLED:  # sharded generation: transformers' greedy generate on the folder
         reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
         expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None)
-        for mesh in ((1, 2), (2, 1)):
-            assert fsdp2["sampled"][(name, *mesh)] == expected[0, len(PROMPT) :].tolist(), (name, mesh)
+        assert fsdp2["sampled"][name] == expected[0, len(PROMPT) :].tolist(), name
     for name, extra in RECOMPUTED.items():  # compiled: graphs captured (Qwen3.5's checkpointed layers too)
         assert (one[f"{name}-recomputed"]["graphs"] > 0) == ("--compile.enable" in extra), name
     for name in RECOMPUTED:
