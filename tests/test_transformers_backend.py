@@ -356,9 +356,13 @@ def test_packing_is_refused_for_layers_that_carry_state_and_bad_folders_in_one_l
     with pytest.raises(ConfigError, match=r"base_model_pp_plan, which lacks embed_tokens, layers, norm \(it has none"):
         _shape([*backend, "--parallelism.pipeline_parallel_degree", "2"], root=tmp_path, folder=llama4)
     tp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"]
-    with pytest.raises(ConfigError, match=r"base_model_tp_plan, whose entry layers.\*.self_attn.kv_a_proj_with_mqa: "
-                       r"'mla_kv_a_proj' the backend does not apply"):  # fmt: skip
-        _shape([*backend, *tp], root=tmp_path, folder=deepseek)
+    plan = json.loads((deepseek / "config.json").read_text())  # a plan style the backend does not apply
+    plan["base_model_tp_plan"] = {**transformers.DeepseekV32Config.base_model_tp_plan, "layers.*.mlp.x": "local_params"}
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(plan))
+    with pytest.raises(ConfigError, match=r"base_model_tp_plan, whose entry layers.\*.mlp.x: 'local_params' the "
+                       r"backend does not apply"):  # fmt: skip
+        _shape([*backend, *tp], root=tmp_path, folder=tmp_path / "odd")
     vit = transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96)
     for name, edit, message in (
         ("remote", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, r"auto_map: its model needs code from"),
@@ -386,10 +390,11 @@ LORA = {  # name -> its [lora] overrides (peft's names of the model's own linear
 TRAINED = ["phi3", "gemma3", "qwen3_5", "olmo3", "llama4_text", "deepseek_v32", "qwen3_5_moe", "olmo3_config", *LORA]
 # *_tp: TP(2) x FSDP(2) by the config's base_model_tp_plan (Phi-3's fused projections gathered, Gemma 3's per-head
 # q/k norms, Qwen3.5-MoE's Gated DeltaNet gathered, its and Llama 4's shared experts split and routed experts whole
-# on each rank; LoRA's adapters split with their projections); the embedding and output split over the vocabulary
+# on each rank, DeepSeek-V3.2's latent projection whole with its shared RoPE key's gradient summed over tp; LoRA's
+# adapters split with their projections); the embedding and output split over the vocabulary
 TP = {
     f"{name}_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"]
-    for name in ("phi3", "gemma3", "phi3_lora", "qwen3_5_moe", "llama4_text")
+    for name in ("phi3", "gemma3", "phi3_lora", "qwen3_5_moe", "llama4_text", "deepseek_v32")
 }
 # *_pp: PP(2) by the config's base_model_pp_plan, 1F1B over 4 pipeline microbatches (Gemma 3's tied embedding and
 # output projection on the two ranks; Qwen3.5's hybrid layers split between them were checked the same way while
@@ -517,10 +522,10 @@ def _resume_each(root, names):
 @pytest.mark.slow
 def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(tmp_path):
     """Seven architectures from their folders and one from its config alone (weights drawn from the seed): the same
-    losses (1e-5) at one process (4 microbatches), FSDP(2) and HSDP(2x2, three of them), and with activation
-    checkpointing per decoder layer (full, selective) and validation at one process; the FSDP(2) run's step-2
-    checkpoint resumed at one process gives its steps 3 and 4; its HF exports (at the last step, and of a saved step
-    by the export command) load in transformers with no missing key and the trained model's logits."""
+    losses (1e-5) at one process (4 microbatches), FSDP(2), HSDP(2x2, four of them) and TP(2) x FSDP(2) (six), and
+    with activation checkpointing per decoder layer (full, selective) and validation at one process; the FSDP(2)
+    run's step-2 checkpoint resumed at one process gives its steps 3 and 4; its HF exports (at the last step, and of a
+    saved step by the export command) load in transformers with no missing key and the trained model's logits."""
     for name in (n for n in TRAINED if n not in LORA):
         config_folder(tmp_path, name[: -len("_config")]) if name.endswith("_config") else hf_folder(tmp_path, name)
     from safetensors.torch import load_file, save_file
@@ -529,7 +534,7 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     save_file(mtp, str(tmp_path / "qwen3_5" / "mtp.safetensors"))
     one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
     fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", [*TRAINED, *PP])[0]
-    four = ["gemma3", "deepseek_v32", "olmo3_config", "phi3_lora", "phi3_qlora", *TP]  # HSDP(2x2), TP(2) x FSDP(2)
+    four = ["gemma3", "olmo3_config", "phi3_lora", "phi3_qlora", *TP]  # HSDP(2x2), TP(2) x FSDP(2)
     hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", four, 2)[0]
     resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "phi3_lora",
                                                           "phi3_qlora", "phi3_pp"])[0]  # fmt: skip

@@ -91,8 +91,8 @@ def _tp_problem(cfg, args, inference: bool) -> str | None:
     if style := unsupported_style(args.tp_plan):
         return (
             f"whose entry {style} the backend does not apply (it applies colwise, rowwise, colwise_gather_output, "
-            f"rowwise_split_input and the q/k norms' replicated_with_grad_allreduce); the native families split "
-            f"MoE and latent-attention models: {NATIVE}"
+            f"rowwise_split_input, mla_kv_a_proj and the q/k norms' replicated_with_grad_allreduce); tensor "
+            f"parallelism of other layouts is in the native families: {NATIVE}"
         )
     if cfg.parallelism.enable_sequence_parallel and not inference:
         return (

@@ -10,29 +10,61 @@ the head dimension, as the native families do). The embedding and the output pro
 vocabulary as in the native families (loss parallelism keeps the logits split). Every other parameter (norms, a
 convolution's weights) stays whole and is computed alike on every tp rank, and so do a routed MoE's experts
 (the plan's packed expert styles are not applied: the experts' input, routing and output are whole on every rank,
-so their gradients are too; the shared experts and attention are split). A plan style outside these (MLA's latent
-projection) is refused before launch (`unsupported_style`); without sequence parallelism (transformers' layers add
-their residuals on whole tensors).
+so their gradients are too; the shared experts and attention are split). `mla_kv_a_proj`, multi-head latent
+attention's latent projection (DeepSeek-V2/V3.2, GLM-5, ...), stays whole too, the RoPE key part of its output
+having its gradient summed over tp: every head uses that one key part, and each rank computes its own heads. A plan
+style outside these is refused before launch (`unsupported_style`); without sequence parallelism (transformers'
+layers add their residuals on whole tensors).
 """
 
 from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from titanlite.models.decoder_tp import VocabParallelOutput
+from titanlite.models.moe import sum_grad_over_group
+
+
+class SharedRopeKey(ParallelStyle):
+    """MLA's latent projection (kv_a_proj_with_mqa) whole on every tp rank, the last rope_dim features of its output
+    (the RoPE key part every head shares) with their gradient summed over tp. The latent part's gradient is whole
+    already: kv_b_proj is column-split, and a column split sums its input's gradient."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+
+        def sum_rope_grad(mod, args, out):
+            latent, rope = out.split([out.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            return torch.cat([latent, sum_grad_over_group(rope, group)], dim=-1)
+
+        module.register_forward_hook(sum_rope_grad)
+        return module
+
 
 LAYER = "layers.*."
-STYLES = {
-    "colwise": lambda: ColwiseParallel(),
-    "rowwise": lambda: RowwiseParallel(),
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+STYLES = {  # the plan's style -> torch's, given the model's config
+    "colwise": lambda config: ColwiseParallel(),
+    "rowwise": lambda config: RowwiseParallel(),
+    "colwise_gather_output": lambda config: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda config: RowwiseParallel(input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": lambda config: SequenceParallel(sequence_dim=2, use_local_output=True),
+    "mla_kv_a_proj": lambda config: SharedRopeKey(config.qk_rope_head_dim),
 }
 NORMS = ("q_norm", "k_norm")  # the one place replicated_with_grad_allreduce is read as "over each rank's heads"
 
@@ -78,9 +110,10 @@ def parallelize_backend(
             "lm_head": VocabParallelOutput(Replicate(), loss_parallel),
         },
     )
-    styles = layer_plan(model.hf.config.base_model_tp_plan)
+    config = model.hf.config
+    styles = layer_plan(config.base_model_tp_plan)
     for layer in model.model.layers:
-        present = {name: STYLES[style]() for name, style in styles.items() if _has(layer, name)}
+        present = {name: STYLES[style](config) for name, style in styles.items() if _has(layer, name)}
         parallelize_module(layer, tp_mesh, present)
         for name, style in styles.items():  # a model may add to a projection's output in place (Llama 4's shared
             if style.startswith("rowwise") and name in present:  # expert): its own tensor, not a DTensor's view
