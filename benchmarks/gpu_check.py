@@ -4,8 +4,9 @@
     python benchmarks/gpu_check.py --tiny --out /tmp/r     # the same code on the CPU at toy sizes (a test runs it)
 
 Each section runs in its own process with its own time limit, so a crash or a hang in one still leaves the
-others' results; each writes `<out>/<section>.json`, and the whole run writes `<out>/report.md` (the table
-to paste into docs/performance.md) and `<out>/report.json`.
+others' results (at --tiny they run one after another in this process: start-up would take most of the time);
+each writes `<out>/<section>.json`, and the whole run writes `<out>/report.md` (the table to paste into
+docs/performance.md) and `<out>/report.json`.
 
 Sections:
   env        device, torch, CUDA and Triton versions
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -836,6 +838,23 @@ def _child(section: str, opts, extra=(), timeout=None) -> dict:
     return r
 
 
+def _inline(section: str, opts) -> dict:
+    """One section in this process (--tiny); its JSON result, or {'error': ...} with the traceback."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    try:
+        r = json.loads(json.dumps(globals()[f"section_{section}"](opts), default=str))
+    except Exception as e:  # a section's failure is its report, as a child's is
+        return {"error": f"{type(e).__name__}: {e}", "log_tail": traceback.format_exc()[-3000:]}
+    finally:
+        if dist.is_initialized():  # (a trainer's one-process group: the next section starts without one)
+            dist.destroy_process_group()
+    r["section_seconds"] = round(time.perf_counter() - t0, 1)
+    (Path(opts.out) / f"{section}.json").write_text(json.dumps(r, indent=1))
+    return r
+
+
 def _markdown(results: dict) -> str:
     env = results.get("env", {})
     head = f"{env.get('device')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, Python {env.get('python')}"
@@ -907,12 +926,16 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown (process groups, compile workers)
     results = {}
+    if opts.tiny:
+        from titanlite.observe.metrics import setup_logging
+
+        setup_logging()
     for name in opts.sections.split(","):
         if name not in SECTIONS:
             raise SystemExit(f"--sections: {name!r} is not one of {', '.join(SECTIONS)}")
         print(f"[gpu_check] {name} ...", flush=True)
         limit = opts.suite_timeout if name == "suite" else TIMEOUTS.get(name, 300)
-        results[name] = _child(name, opts, timeout=limit)
+        results[name] = _inline(name, opts) if opts.tiny else _child(name, opts, timeout=limit)
         print(f"[gpu_check] {name}: {json.dumps(results[name], default=str)[:1500]}", flush=True)
         (Path(opts.out) / "report.json").write_text(json.dumps(results, indent=1, default=str))
     report = _markdown(results)

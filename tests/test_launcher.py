@@ -1,6 +1,7 @@
 """run_train.sh and torchrun on a shared cluster: bad launcher input, one job per dump folder, workers that
 outlive their launcher, and stop signals that save and exit 0 (gloo, CPU)."""
 
+import contextlib
 import json
 import os
 import re
@@ -156,10 +157,16 @@ def test_ctrl_c_sigterm_to_torchrun_and_a_second_ctrl_c(tmp_path):
         pytest.skip("SIGINT cannot be delivered to run_train.sh here: it started with SIGINT ignored")
     proc.send_signal(signal.SIGINT)
     resumed_from = int(_stopped_cleanly(proc, log))
-    # SIGTERM to torchrun itself (a scheduler): the workers save, and the launcher and run_train.sh exit 0
+    # SIGTERM to every process of the job, as SLURM sends a scheduler's stop, and to torchrun again while it shuts its
+    # workers down (run_train.sh passes it on too): the workers save, and the launcher and run_train.sh exit 0. (The
+    # second one once broke torchrun's shutdown: it said nothing was saved, and the job hung.)
     proc, log = _run_until_step(tmp_path, "term", resumed_from + 2)
     torchrun = _children(proc.pid)[0]
-    os.kill(torchrun, signal.SIGTERM)
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(torchrun, signal.SIGTERM)
     assert int(_stopped_cleanly(proc, log)) > resumed_from and f"(step {resumed_from})" in log.read_text()
     # a stop before anything can be saved (start-up, or here a run without checkpoints): one line and 128 + the
     # signal, no traceback

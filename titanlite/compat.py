@@ -12,6 +12,7 @@ import os
 import zlib
 from contextlib import contextmanager
 from functools import lru_cache
+from unittest import mock
 
 import torch
 
@@ -277,6 +278,29 @@ def set_exit_barrier_timeout(seconds: float) -> None:
     launcher_api.LocalElasticAgent = _Agent
 
 
+def stop_signal_once() -> None:
+    """torchrun's agent acts on its first stop signal only (torch's private _terminate_process_handler raises
+    SignalException at every one). A second one that arrives while the agent shuts its workers down, as under SLURM,
+    which signals every process of a step while run_train.sh passes the signal on too, broke that shutdown with a
+    traceback and a failed exit: the job was not requeued though every rank had saved. Later ones are ignored: the
+    shutdown under way ends the workers (its timeout then kills what is left). A torch without the handler is left
+    as it is."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    handler = getattr(api, "_terminate_process_handler", None)
+    if handler is None or getattr(handler, "once", False):
+        return
+    seen = []
+
+    def once(signum, frame):
+        if not seen:
+            seen.append(signum)
+            handler(signum, frame)  # raises SignalException
+
+    once.once = True
+    api._terminate_process_handler = once
+
+
 def forget_failed_quorum(manager) -> None:
     """Let a torchft Manager ask for a new quorum after one failed: torchft 0.2 keeps the failed request (its private
     _quorum_future) and raises its error again at every later start_quorum."""
@@ -287,22 +311,6 @@ def quorum_id(manager) -> int | None:
     """The id of a torchft Manager's current quorum (its private _quorum_id), the same for every group of a quorum;
     None before the first."""
     return getattr(manager, "_quorum_id", None)
-
-
-@contextmanager
-def _environment(key: str, value: str | None):
-    """The environment variable `key` set to `value` inside (None: left as it is)."""
-    before = os.environ.get(key)
-    if value is not None:
-        os.environ[key] = value
-    try:
-        yield
-    finally:
-        if value is not None:
-            if before is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = before
 
 
 def transformers_load(model, folder: str, files: list[str], take: dict | None = None):
@@ -342,7 +350,7 @@ def transformers_load(model, folder: str, files: list[str], take: dict | None = 
 
     core_model_loading.set_param_for_module = set_or_take
     try:  # taken tensors are read whole: one at a time, not read ahead by transformers' loading threads
-        with _environment("HF_DEACTIVATE_ASYNC_LOAD", "1" if take else None):
+        with mock.patch.dict(os.environ, {"HF_DEACTIVATE_ASYNC_LOAD": "1"} if take else {}):
             info, _ = type(model)._load_pretrained_model(model, None, files, config)
     finally:
         core_model_loading.set_param_for_module = set_param

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun
 
-    from titanlite.compat import set_exit_barrier_timeout
+    from titanlite.compat import set_exit_barrier_timeout, stop_signal_once
     from titanlite.runtime.hang_watch import LauncherWatch
     from titanlite.runtime.run_control import LAUNCHER_PID_ENV
 
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     before = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # a worker whose launcher died during its imports sees it
     set_exit_barrier_timeout(_seconds(os.environ.get(EXIT_BARRIER_ENV, ""), 30.0))
+    stop_signal_once()
     try:
         torchrun(argv)
     except RendezvousTimeoutError:

@@ -65,7 +65,6 @@ def _measure(args, seq_len: int, act_bytes: int, lora_cfg) -> list[dict[str, int
             apply_lora(model, lora_cfg)
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
         model.to_empty(device="cpu")
-        weights = {_storage(p) for p in model.parameters()}
         layer = _LayerOf(model.layers)
 
         def size(t: torch.Tensor, whole: bool = False) -> int:
@@ -73,8 +72,11 @@ def _measure(args, seq_len: int, act_bytes: int, lora_cfg) -> list[dict[str, int
             nbytes = t.untyped_storage().nbytes() if whole else t.numel() * t.element_size()
             return nbytes * act_bytes // 2 if t.element_size() == 2 else nbytes
 
+        counted = {_storage(p) for p in model.parameters()}  # storages counted in a layer, and weights (never)
+
         def pack(t: torch.Tensor) -> int:
-            if layer.now is not None and (key := _storage(t)) not in weights and all(key not in s for s in saved):
+            if layer.now is not None and (key := _storage(t)) not in counted:
+                counted.add(key)
                 saved[layer.now][key] = size(t, whole=True)
             held.append(t)
             return len(held) - 1

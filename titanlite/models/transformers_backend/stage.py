@@ -43,6 +43,12 @@ class BackendStage(nn.Module):
         self._model, self.blocks, self.loss_fn = (model,), set(blocks), loss_fn
         tied = model.args.tie_embeddings and first != last
         self._tied_alias = ((model.lm_head if first else base.embed_tokens),) if tied else ()
+        # what the transformers model runs for this stage (tuples: not registered as this module's children)
+        passed = [base.layers[i] if i in blocks else AbsentLayer() for i in range(len(base.layers))]
+        self._stage_layers = (nn.ModuleList(passed),)
+        self._received: torch.Tensor | None = None  # a later stage's input, given to its first layer as it is
+        if not first:
+            base.layers[min(blocks)].register_forward_pre_hook(self._give_received, with_kwargs=True)
 
     def forward(self, x: torch.Tensor, carrier=None, labels: torch.Tensor | None = None, positions=None):
         """x: tokens (first stage) or the previous stage's hidden states. The hidden states, or the last stage's
@@ -50,8 +56,12 @@ class BackendStage(nn.Module):
         model = self._model[0]
         position_ids = positions if model.args.attention == "block_causal" else None
         inputs = {"input_ids": x} if self.embed_tokens is not None else {"inputs_embeds": x}
-        with self._only_this_stage(model.model, None if self.embed_tokens is not None else x):
-            h = model.model(**inputs, position_ids=position_ids, use_cache=False).last_hidden_state
+        self._received = None if self.embed_tokens is not None else x
+        try:
+            with self._only_this_stage(model.model):
+                h = model.model(**inputs, position_ids=position_ids, use_cache=False).last_hidden_state
+        finally:
+            self._received = None
         if self.lm_head is None:
             return h
         if self.lm_head.chunk_tokens > 0:
@@ -60,23 +70,25 @@ class BackendStage(nn.Module):
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     @contextmanager
-    def _only_this_stage(self, base: nn.Module, received: torch.Tensor | None):
+    def _only_this_stage(self, base: nn.Module):
         """The transformers model running this stage's layers only (the others passed through), its final norm only
-        on the last stage; received: a later stage's input, which its first layer gets as it is (whatever the model's
-        forward does to inputs_embeds before its layers, an embedding multiplier say, the first stage did)."""
+        on the last stage."""
         layers, norm = base.layers, base.norm
-        base.layers = nn.ModuleList([layers[i] if i in self.blocks else AbsentLayer() for i in range(len(layers))])
+        base.layers = self._stage_layers[0]
         base.norm = norm if self.norm is not None else nn.Identity()
-        handle = None
-        if received is not None:
-            first = layers[min(self.blocks)]
-            handle = first.register_forward_pre_hook(lambda m, a, kw: _given(received, a, kw), with_kwargs=True)
         try:
             yield
         finally:
             base.layers, base.norm = layers, norm
-            if handle is not None:
-                handle.remove()
+
+    def _give_received(self, layer: nn.Module, args: tuple, kwargs: dict):
+        """The first layer's arguments with the received hidden states as they are (whatever the model's forward
+        does to inputs_embeds before its layers, an embedding multiplier say, the first stage did)."""
+        if self._received is None:
+            return None
+        if args:
+            return (self._received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._received}
 
     def expert_units(self) -> list[nn.Module]:
         """(none: transformers' experts are sharded with their decoder layer)"""
@@ -93,13 +105,6 @@ class BackendStage(nn.Module):
     def tied_weight(self) -> nn.Parameter | None:
         """The weight this stage shares with another pipeline rank's stage (tied embeddings), or None."""
         return self._tied_alias[0].weight if self._tied_alias else None
-
-
-def _given(hidden: torch.Tensor, args: tuple, kwargs: dict):
-    """A decoder layer's arguments with `hidden` as its hidden states."""
-    if args:
-        return (hidden, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": hidden}
 
 
 def keep_only(model: nn.Module, blocks: set[int], first: bool, last: bool) -> None:
