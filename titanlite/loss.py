@@ -34,6 +34,11 @@ def counted_labels(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum()
 
 
+def takes_positions(model: torch.nn.Module) -> bool:
+    """Whether the model attends block-causally: its forward takes the positions that mark where documents start."""
+    return getattr(getattr(model, "args", None), "attention", "causal") == "block_causal"
+
+
 def microbatch_loss(
     model: torch.nn.Module, microbatch, device: torch.device, loss_fn=summed_cross_entropy
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +51,7 @@ def microbatch_loss(
     inputs = microbatch[0].to(device, non_blocking=True)
     labels = microbatch[1].to(device, non_blocking=True)
     args = []
-    if len(microbatch) > 2 and getattr(getattr(model, "args", None), "attention", "causal") == "block_causal":
+    if len(microbatch) > 2 and takes_positions(model):
         args.append(microbatch[2].to(device, non_blocking=True))
     if getattr(model, "loss_chunk_tokens", 0) > 0 and loss_fn is summed_cross_entropy:
         return model(inputs, *args, labels=labels), labels

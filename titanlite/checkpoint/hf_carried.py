@@ -199,17 +199,18 @@ def carry_backend_tensors(out: pathlib.Path, set_aside: list[str], initial_load_
             )
         return 0
     _ensure_index(out)
-    text = multimodal_layout(out, folder)
+    headers = {file.name: _header(file) for file in sorted(folder.glob("*.safetensors"))}  # file -> name -> bytes
+    text = multimodal_layout(out, folder, {n for header in headers.values() for n in header})
     have = set(json.loads((out / INDEX).read_text())["weight_map"])
     found: dict[str, str] = {}
-    for file in sorted(folder.glob("*.safetensors")):
+    for file, header in headers.items():
         found.update({
-            n: file.name for n in _header(file)
+            n: file for n in header
             if n not in have and (any(re.search(p, n) for p in set_aside) or (text and not n.startswith(text)))
         })  # fmt: skip
     if not found:
         return 0
-    sizes = {n: b for file in sorted(set(found.values())) for n, b in _header(folder / file).items() if n in found}
+    sizes = {n: headers[file][n] for n, file in found.items()}
     groups, used = [], 0
     for name in sorted(found):
         if not groups or (used and used + sizes[name] > max_file_bytes):
@@ -237,12 +238,12 @@ def _prefixed(name: str, model: str, head: str) -> str:
     return head + name[len("lm_head.") :] if name.startswith("lm_head.") else name
 
 
-def multimodal_layout(out: pathlib.Path, folder: pathlib.Path) -> tuple[str, ...]:
-    """When `folder` (the one the run started from) is a multimodal model's, rename the export `out`'s text-model
-    tensors as that folder names them and give it that folder's config.json (in the export's dtype) and processor
-    settings, so that it loads as the multimodal model; the name prefixes of its text model ((): not multimodal)."""
+def multimodal_layout(out: pathlib.Path, folder: pathlib.Path, names: set[str]) -> tuple[str, ...]:
+    """When `folder` (the one the run started from, holding tensors `names`) is a multimodal model's, rename the
+    export `out`'s text-model tensors as that folder names them and give it that folder's config.json (in the
+    export's dtype) and processor settings, so that it loads as the multimodal model; the name prefixes of its text
+    model ((): not multimodal)."""
     config = json.loads((folder / CONFIG).read_text())
-    names = {n for file in folder.glob("*.safetensors") for n in _header(file)}
     prefixes = next((p for p in TEXT_PREFIXES if f"{p[0]}embed_tokens.weight" in names), None)
     if "text_config" not in config or prefixes is None:
         return ()

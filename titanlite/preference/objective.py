@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.errors import ConfigError
+from titanlite.loss import takes_positions
 from titanlite.preference.losses import model_sequence_logps, pair_losses
 from titanlite.preference.reference import AdaptersOff, FrozenCopy, Precomputed, frozen_copy_model
 
@@ -37,8 +38,7 @@ class PreferenceObjective:
         """(the microbatch's summed pair losses, its labels on the device)."""
         inputs = mb.inputs.to(device, non_blocking=True)
         labels = mb.labels.to(device, non_blocking=True)
-        block_causal = getattr(getattr(model, "args", None), "attention", "causal") == "block_causal"
-        extra = [mb.positions.to(device, non_blocking=True)] if block_causal else []
+        extra = [mb.positions.to(device, non_blocking=True)] if takes_positions(model) else []
         reference = None if self.reference is None else self.reference.logps(inputs, extra, labels, mb.pairs)
         policy, counts = model_sequence_logps(model, inputs, extra, labels)
         c = self.cfg
@@ -92,7 +92,7 @@ def fill_reference(objectives, model, cfg, dp_rank: int, dp_degree: int, copies:
     """Compute the precomputed references' tables on a fresh start (the initial weights); a resumed run has them from
     its checkpoint (ConfigError when that lacks pairs this run trains on: its weights are no longer the initial
     ones)."""
-    block_causal = getattr(getattr(model, "args", None), "attention", "causal") == "block_causal"
+    block_causal = takes_positions(model)
     for objective in objectives:
         reference = objective.reference
         if not isinstance(reference, Precomputed):
