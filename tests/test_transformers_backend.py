@@ -405,6 +405,7 @@ PP = {
     ]  # fmt: skip
     for name in ("phi3", "gemma3")
 }
+PP_TP = {"phi3_pp_tp": [*PP["phi3_pp"], *TP["phi3_tp"]]}  # PP(2) x TP(2): each stage split over tp
 EXPORTED = ["gemma3", "qwen3_5"]
 X = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
 
@@ -457,9 +458,10 @@ def _train_each(root, run: str, names, replicate: int = 1):
     for name in names:
         extra = [
             "--parallelism.data_parallel_replicate_degree",
-            "1" if name in TP else str(replicate),
+            "1" if name in TP or name in PP_TP else str(replicate),
             *TP.get(name, []),
             *PP.get(name, []),
+            *PP_TP.get(name, []),
         ]
         if name in EXPORTED:
             extra += ["--checkpoint.last_save_in_hf", "true"]
@@ -469,7 +471,7 @@ def _train_each(root, run: str, names, replicate: int = 1):
             extra += ["--checkpoint.async_mode", "async"]
         t = make_trainer(_argv(root, name, run, *extra))
         losses = t.train()
-        if name in PP:  # (each rank holds one stage: no whole model to run)
+        if name in PP or name in PP_TP:  # (each rank holds one stage: no whole model to run)
             out[name] = {"losses": losses}
             continue
         with torch.no_grad():
@@ -517,10 +519,11 @@ def _resume_each(root, names):
 @pytest.mark.slow
 def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(tmp_path):
     """Seven architectures from their folders and one from its config alone (weights drawn from the seed): the same
-    losses (1e-5) at one process (4 microbatches), FSDP(2), HSDP(2x2, four of them) and TP(2) x FSDP(2) (six), and
-    with activation checkpointing per decoder layer (full, selective) and validation at one process; the FSDP(2)
-    run's step-2 checkpoint resumed at one process gives its steps 3 and 4; its HF exports (at the last step, and of a
-    saved step by the export command) load in transformers with no missing key and the trained model's logits."""
+    losses (1e-5) at one process (4 microbatches), FSDP(2), HSDP(2x2, four of them), TP(2) x FSDP(2) (six), PP(2)
+    and PP(2) x TP(2), and with activation checkpointing per decoder layer (full, selective) and validation at one
+    process; the FSDP(2) run's step-2 checkpoint resumed at one process gives its steps 3 and 4; its HF exports (at
+    the last step, and of a saved step by the export command) load in transformers with no missing key and the
+    trained model's logits."""
     for name in (n for n in TRAINED if n not in LORA):
         config_folder(tmp_path, name[: -len("_config")]) if name.endswith("_config") else hf_folder(tmp_path, name)
     from safetensors.torch import load_file, save_file
@@ -529,7 +532,7 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     save_file(mtp, str(tmp_path / "qwen3_5" / "mtp.safetensors"))
     one = run_distributed(_train_each, 1, tmp_path, "one", TRAINED)[0]
     fsdp2 = run_distributed(_train_each, 2, tmp_path, "fsdp2", [*TRAINED, *PP])[0]
-    four = ["gemma3", "olmo3_config", "phi3_lora", "phi3_qlora", *TP]  # HSDP(2x2), TP(2) x FSDP(2)
+    four = ["gemma3", "olmo3_config", "phi3_lora", "phi3_qlora", *TP, *PP_TP]  # HSDP(2x2), TP(2) x FSDP(2), PP x TP
     hsdp = run_distributed(_train_each, 4, tmp_path, "hsdp", four, 2)[0]
     resumed = run_distributed(_resume_each, 1, tmp_path, ["phi3", "qwen3_5", "deepseek_v32", "phi3_lora",
                                                           "phi3_qlora", "phi3_pp"])[0]  # fmt: skip
@@ -549,6 +552,9 @@ def test_backend_models_train_alike_at_every_topology_resume_exactly_and_export(
     for name in PP:  # pipeline parallelism: one process's losses
         ref = one[_base(name)]["losses"]
         assert all(abs(fsdp2[name]["losses"][s] - ref[s]) < 1e-5 for s in ref), (name, fsdp2[name], ref)
+    for name in PP_TP:  # and composed with tensor parallelism
+        ref = one[_base(name)]["losses"]
+        assert all(abs(hsdp[name]["losses"][s] - ref[s]) < 1e-5 for s in ref), (name, hsdp[name], ref)
     for name in SAMPLED:  # sharded generation: transformers' greedy generate on the folder
         reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
         expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None)
