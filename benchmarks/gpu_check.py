@@ -926,9 +926,10 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown (process groups, compile workers)
     results = {}
-    if opts.tiny:
+    if opts.tiny:  # the sections run here: as a child's environment has it
         from titanlite.observe.metrics import setup_logging
 
+        os.environ.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         setup_logging()
     for name in opts.sections.split(","):
         if name not in SECTIONS:

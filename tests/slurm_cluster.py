@@ -57,7 +57,7 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={munge_socket},cred_expire=5
+AuthInfo=socket={munge_socket},cred_expire=15
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
@@ -145,7 +145,12 @@ class Cluster:
 
     def state(self, job: int) -> str:
         """The job's state (PENDING, RUNNING, COMPLETED, FAILED, ...), or '' once the controller forgot it."""
-        out = self.run(["scontrol", "show", "job", str(job)], check=False).stdout
+        for _ in range(10):  # a busy controller's failed answer is asked again; a forgotten job is said so
+            done = self.run(["scontrol", "show", "job", str(job)], check=False)
+            if done.returncode == 0 or "Invalid job id" in done.stderr:
+                break
+            time.sleep(1)
+        out = done.stdout
         for field in out.split():
             if field.startswith("JobState="):
                 return field.split("=", 1)[1]

@@ -163,7 +163,8 @@ def test_ctrl_c_sigterm_to_torchrun_and_a_second_ctrl_c(tmp_path):
     proc, log = _run_until_step(tmp_path, "term", resumed_from + 2)
     torchrun = _children(proc.pid)[0]
     for pid in [proc.pid, *_descendants(proc.pid)]:
-        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.kill(torchrun, signal.SIGTERM)

@@ -139,8 +139,9 @@ def test_the_time_limit_signal_saves_and_requeues_and_a_killed_node_ends_the_job
     # saves), requeues the job, and the requeued job resumes from that checkpoint and finishes.
     # (It failed about one run in six, for two reasons now gone: torchrun's agent broke its shutdown at a second
     # stop signal, and the test started the requeued job at once, before SLURM's revocation of the old job
-    # credential had expired: "Job credential revoked". The test cluster now has cred_expire=5 and schedules
-    # every 2 s, so the requeued job starts about 7 s later by itself, as a real cluster's does after 121 s.)
+    # credential had expired: "Job credential revoked". The test cluster now has cred_expire=15 (also how long a
+    # launch credential is valid) and schedules every 2 s, so the requeued job starts about 17 s later by itself,
+    # as a real cluster's does after 121 s.)
     dump, out = tmp_path / "limit", tmp_path / "limit.out"
     job, ended = _time_limit_stop(cluster, dump, out)
     assert ended is None, f"the job ended ({ended}) without a requeue:\n{out.read_text()[-3000:]}"

@@ -358,6 +358,10 @@ def test_packing_is_refused_for_layers_that_carry_state_and_bad_folders_in_one_l
     with pytest.raises(ConfigError, match=r"base_model_tp_plan, whose entry layers.\*.mlp.x: 'local_params' the "
                        r"backend does not apply"):  # fmt: skip
         _shape([*backend, *tp], root=tmp_path, folder=tmp_path / "odd")
+    from titanlite.models.transformers_backend.tp import unsupported_style
+
+    # a module in a list inside the layer (LongCat's self_attn.*.q_b_proj): not one the backend finds by its name
+    assert unsupported_style({"layers.*.self_attn.*.q_b_proj": "colwise"}) == "layers.*.self_attn.*.q_b_proj: 'colwise'"
     vit = transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96)
     for name, edit, message in (
         ("remote", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, r"auto_map: its model needs code from"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from unittest import mock
 
@@ -350,7 +350,8 @@ def transformers_load(model, folder: str, files: list[str], take: dict | None = 
 
     core_model_loading.set_param_for_module = set_or_take
     try:  # taken tensors are read whole: one at a time, not read ahead by transformers' loading threads
-        with mock.patch.dict(os.environ, {"HF_DEACTIVATE_ASYNC_LOAD": "1"} if take else {}):
+        one_at_a_time = mock.patch.dict(os.environ, {"HF_DEACTIVATE_ASYNC_LOAD": "1"}) if take else nullcontext()
+        with one_at_a_time:  # (patch.dict restores by clearing the whole environment: only when it must)
             info, _ = type(model)._load_pretrained_model(model, None, files, config)
     finally:
         core_model_loading.set_param_for_module = set_param
